@@ -1,0 +1,17 @@
+// Torch-free runtime queries; each returns the CUDA error of the call it makes.
+#pragma once
+
+#include "common.cuh"
+
+namespace hicache {
+
+// CUDA runtime version this extension links statically (e.g. 13000 for 13.0).
+cudaError_t runtime_version(int* version);
+// Newest CUDA version the installed driver supports; 0 when no driver is installed.
+cudaError_t driver_version(int* version);
+cudaError_t device_count(int* count);
+// binaryVersion / ptxVersion of this module's code for `device` (e.g. 90); fails with
+// cudaErrorNoKernelImageForDevice when the build has no usable image for it.
+cudaError_t kernel_image_versions(int device, int* binary_version, int* ptx_version);
+
+}  // namespace hicache

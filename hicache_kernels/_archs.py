@@ -1,0 +1,133 @@
+"""CUDA architecture lists: parsing and nvcc flags.
+
+This module is imported by ``setup.py`` by file path, before the package or torch can be imported, so
+it depends on the standard library alone.
+
+Accepted spellings, separated by ``;``, ``,`` or spaces: ``90``, ``9.0``, ``sm_90``, ``compute_90``,
+arch-specific ``90a`` / ``9.0a`` / ``100f``, any of them with a ``+PTX`` suffix (also embed PTX for that
+arch so newer GPUs can JIT it), and the family names torch uses (``Hopper``, ``Ampere``, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Architectures nvcc 13.0 can target (``nvcc --list-gpu-arch``); Volta and older were dropped in 13.0.
+NVCC13_ARCHS: tuple[str, ...] = ("75", "80", "86", "87", "88", "89", "90", "100", "103", "110", "120", "121")
+
+# The default when neither HICACHE_CUDA_ARCHS nor TORCH_CUDA_ARCH_LIST is set: every data-centre and
+# consumer generation nvcc 13 still supports, with PTX of the newest so later GPUs can JIT it.
+DEFAULT_ARCHS = "75;80;86;89;90;100;120+PTX"
+
+_FAMILIES = {
+    "turing": "7.5",
+    "ampere": "8.0;8.6",
+    "ada": "8.9",
+    "hopper": "9.0",
+    "blackwell": "10.0;12.0",
+}
+
+_TOKEN = re.compile(r"^(?:sm_|compute_)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$", re.IGNORECASE)
+
+
+@dataclass(frozen=True, order=True)
+class CudaArch:
+    """One target: ``number`` like ``"90"``, ``suffix`` ``""``/``"a"``/``"f"``, ``ptx`` embeds PTX."""
+
+    number: str
+    suffix: str = ""
+    ptx: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.number}{self.suffix}"
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.name}"
+
+    def gencode(self) -> list[str]:
+        """nvcc flags: a cubin for ``sm_XX``, plus PTX for ``compute_XX`` when ``ptx`` is set."""
+        flags = [f"-gencode=arch=compute_{self.name},code=sm_{self.name}"]
+        if self.ptx:
+            flags.append(f"-gencode=arch=compute_{self.name},code=compute_{self.name}")
+        return flags
+
+    def __str__(self) -> str:
+        return self.name + ("+PTX" if self.ptx else "")
+
+
+def parse_arch_list(text: str, supported: tuple[str, ...] | None = NVCC13_ARCHS) -> list[CudaArch]:
+    """Parse an arch list such as ``"80;9.0+PTX"`` into sorted, de-duplicated :class:`CudaArch`.
+
+    Raises ``ValueError`` naming the offending entry when an entry is malformed or, when ``supported``
+    is given, names an arch outside it. An entry given both with and without ``+PTX`` keeps PTX.
+    """
+    tokens = [t for t in re.split(r"[;,\s]+", text.strip()) if t]
+    if not tokens:
+        raise ValueError(f"CUDA arch list {text!r} is empty")
+    expanded: list[str] = []
+    for tok in tokens:
+        fam = _FAMILIES.get(tok.lower().removesuffix("+ptx"))
+        if fam is None:
+            expanded.append(tok)
+            continue
+        parts = fam.split(";")
+        if tok.lower().endswith("+ptx"):
+            parts[-1] += "+PTX"
+        expanded.extend(parts)
+    found: dict[tuple[str, str], bool] = {}
+    for tok in expanded:
+        m = _TOKEN.match(tok)
+        if m is None:
+            raise ValueError(
+                f"CUDA arch {tok!r} in {text!r} is not understood; expected e.g. '90', '9.0', '90a' or '9.0+PTX'"
+            )
+        major, minor, suffix, ptx = m.groups()
+        number = major + minor if minor is not None else major
+        if len(number) < 2:
+            raise ValueError(f"CUDA arch {tok!r} in {text!r} is not understood; write major and minor, e.g. '9.0'")
+        if supported is not None and number not in supported:
+            raise ValueError(
+                f"CUDA arch {tok!r} in {text!r} is not supported by this nvcc; supported: {', '.join(supported)}"
+            )
+        key = (number, suffix.lower())
+        found[key] = found.get(key, False) or bool(ptx)
+    return sorted((CudaArch(n, s, p) for (n, s), p in found.items()), key=lambda a: (int(a.number), a.suffix))
+
+
+def select_arch_list(env: dict[str, str]) -> tuple[str, str]:
+    """Return ``(arch_list_text, where_it_came_from)`` by precedence.
+
+    ``HICACHE_CUDA_ARCHS`` wins, then ``TORCH_CUDA_ARCH_LIST``, then :data:`DEFAULT_ARCHS`.
+    """
+    for var in ("HICACHE_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST"):
+        value = env.get(var, "").strip()
+        if value:
+            return value, var
+    return DEFAULT_ARCHS, "default"
+
+
+def covers(archs: list[CudaArch], major: int, minor: int) -> tuple[bool, str]:
+    """Whether a build with ``archs`` can run on a GPU of compute capability ``major.minor``.
+
+    A cubin runs on its own arch and on later minor versions of the same major (``sm_80`` code runs
+    on an 8.6 GPU); arch-specific ``a`` cubins run only on exactly their arch; PTX can be JIT-compiled
+    by the driver for any later GPU. Returns ``(ok, how)`` with ``how`` saying which image applies.
+    """
+    cc = major * 10 + minor
+    best = None
+    for a in archs:
+        n = int(a.number)
+        if a.suffix == "a" and n == cc:
+            return True, f"cubin {a.sm}"
+        if a.suffix in ("", "f") and n // 10 == major and n % 10 <= minor:
+            if best is None or n > int(best.number):
+                best = a
+    if best is not None:
+        return True, f"cubin {best.sm}"
+    ptx = [a for a in archs if a.ptx and int(a.number) <= cc and a.suffix == ""]
+    if ptx:
+        return True, f"PTX compute_{ptx[-1].name} (JIT-compiled by the driver)"
+    return False, f"no cubin or PTX in [{', '.join(map(str, archs))}] runs on compute capability {major}.{minor}"

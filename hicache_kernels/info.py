@@ -1,0 +1,79 @@
+"""``python -m hicache_kernels.info``: what this installation and machine can do.
+
+Prints versions, the archs compiled in, CUDA runtime and driver versions, each visible GPU with its
+PCIe link and the theoretical bandwidth it implies, and which io-backends are usable. ``--json``
+prints the same as one JSON object. It never fails for lack of a GPU, a driver or NVML: it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"hicache-kernels {r['package']['version']}"]
+    b = r["build"]
+    if b["cuda_built"]:
+        lines.append(
+            f"  CUDA extension: built for sm {', '.join(b['archs'])} (chosen by {b.get('archs_source')}), "
+            f"CUDA {b['cuda_version'] // 1000}.{(b['cuda_version'] % 1000) // 10}, {b.get('cudart')} cudart"
+        )
+    else:
+        lines.append(f"  CUDA extension: NOT available: {b.get('extension_error') or b.get('skip_reason')}")
+    t = r["torch"]
+    lines.append(f"  torch: {t.get('version') or 'not installed'} (CUDA {t.get('cuda') or 'none: CPU build'})")
+    lines.append(f"  triton: {r['triton'].get('version') or 'not installed'}")
+    c = r["cuda"]
+    lines.append(
+        f"  CUDA runtime (extension): {c.get('extension_runtime') or '-'}; torch's: {c.get('torch_cuda') or '-'}; "
+        f"driver: {c.get('driver') or '-'} (supports CUDA {c.get('driver_cuda') or '-'})"
+    )
+    if c.get("driver_error"):
+        lines.append(f"    driver: {c['driver_error']}")
+    if not r["gpus"]:
+        lines.append("  GPUs: none visible")
+    for g in r["gpus"]:
+        mem = f"{g['memory_gib']} GiB" if g["memory_gib"] is not None else "? GiB"
+        sms = g["sm_count"] if g["sm_count"] is not None else "?"
+        lines.append(
+            f"  GPU {g['index']}: {g['name']}, sm_{(g['compute_capability'] or '?').replace('.', '')}, {sms} SMs, {mem}"
+        )
+        cover = "yes" if g["kernels_cover_arch"] else "NO"
+        lines.append(f"    kernels cover this arch: {cover} ({g['coverage']})")
+        p = g["pcie"]
+        if p.get("error"):
+            lines.append(f"    PCIe: unknown ({p['error']})")
+        else:
+            lines.append(
+                f"    PCIe: Gen{p['current_generation']} x{p['current_width']} now (max Gen{p['max_generation']} "
+                f"x{p['max_width']}); theoretical {p['current_gbps']} GB/s now, {p['max_gbps']} GB/s at max, "
+                "per direction (links may train down when idle)"
+            )
+    for note in r["notes"]:
+        lines.append(f"  note: {note}")
+    lines.append("  io-backends:")
+    for name, s in r["io_backends"].items():
+        lines.append(f"    {name:<7} {'usable' if s['usable'] else 'unusable'}: {s['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hicache_kernels.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    from ._env import gather
+
+    report = gather()
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""`python -m hicache_kernels.info` on this machine, and its GPU paths with a fake NVML."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from dataclasses import asdict
+
+import pytest
+
+from hicache_kernels import _env, info
+
+
+def run_info(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hicache_kernels.info", *args], capture_output=True, text=True)
+
+
+def test_info_text_runs() -> None:
+    proc = run_info()
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stdout.startswith("hicache-kernels ")
+    assert "io-backends:" in proc.stdout
+    for name in _env.IO_BACKENDS:
+        assert f"    {name} " in proc.stdout
+
+
+def test_info_json_schema() -> None:
+    proc = run_info("--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report) >= {"package", "build", "torch", "triton", "cuda", "gpus", "notes", "io_backends"}
+    import hicache_kernels
+
+    assert report["package"]["version"] == hicache_kernels.__version__
+    assert set(report["io_backends"]) == set(_env.IO_BACKENDS)
+    for status in report["io_backends"].values():
+        assert isinstance(status["usable"], bool) and status["reason"]
+    assert report["build"] == json.loads(json.dumps(hicache_kernels.build_info()))
+
+
+def test_info_without_gpu_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    report = json.loads(run_info("--json").stdout)
+    assert report["gpus"] == []
+    assert report["notes"], "no reason given for seeing no GPU"
+    assert report["io_backends"]["direct"]["usable"] is True
+    assert report["io_backends"]["kernel"]["usable"] is False
+    assert report["io_backends"]["kernel"]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("gen", "width", "gbps"),
+    [(5, 16, 63.02), (4, 16, 31.51), (3, 16, 15.75), (5, 8, 31.51), (6, 16, 121.0), (1, 1, 0.25), (2, 4, 2.0)],
+)
+def test_pcie_theoretical(gen: int, width: int, gbps: float) -> None:
+    assert _env.pcie_theoretical_gbps(gen, width) == pytest.approx(gbps, abs=0.01)
+
+
+def test_pcie_unknown_generation() -> None:
+    assert _env.pcie_theoretical_gbps(9, 16) is None
+    assert _env.pcie_theoretical_gbps(5, 0) is None
+
+
+class FakeNvml(types.SimpleNamespace):
+    """One H200-like GPU on a Gen5 x16 link that idles at Gen1."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nvmlDeviceGetCount=lambda: 1,
+            nvmlDeviceGetHandleByIndex=lambda i: ("h", i),
+            nvmlDeviceGetHandleByUUID=lambda u: ("h", 0),
+            nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0),
+            nvmlDeviceGetName=lambda h: "NVIDIA H200",
+            nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=141 * 2**30),
+            nvmlDeviceGetCurrPcieLinkGeneration=lambda h: 1,
+            nvmlDeviceGetMaxPcieLinkGeneration=lambda h: 5,
+            nvmlDeviceGetCurrPcieLinkWidth=lambda h: 16,
+            nvmlDeviceGetMaxPcieLinkWidth=lambda h: 16,
+            nvmlSystemGetDriverVersion=lambda: "580.65.06",
+            nvmlSystemGetCudaDriverVersion=lambda: 13000,
+        )
+
+
+def test_gpu_listing_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_env, "_nvml", lambda: (FakeNvml(), "ok"))
+    monkeypatch.setattr(_env, "_torch_cuda", lambda: (None, "torch sees no GPU (test)"))
+    gpus, notes = _env.list_gpus()
+    assert notes == ["torch sees no GPU (test)"]
+    (g,) = gpus
+    assert (g.name, g.compute_capability, g.memory_gib, g.sm_count) == ("NVIDIA H200", "9.0", 141.0, None)
+    assert (g.pcie.current_generation, g.pcie.max_generation, g.pcie.max_width) == (1, 5, 16)
+    assert g.pcie.current_gbps == pytest.approx(4.0) and g.pcie.max_gbps == pytest.approx(63.02, abs=0.01)
+    built = _env.build_info()
+    if built["cuda_built"]:
+        assert g.kernels_cover_arch is ("90" in built["archs"] or "90+PTX" in built["archs"])
+    else:
+        assert g.kernels_cover_arch is False and "not built" in g.coverage
+    text = info.format_report(
+        {**_env.gather(), "gpus": [asdict(g)], "cuda": {**_env.cuda_versions(), "driver": "580.65.06"}}
+    )
+    assert "GPU 0: NVIDIA H200, sm_90, ? SMs, 141.0 GiB" in text
+    assert "Gen1 x16 now (max Gen5 x16)" in text and "63.02 GB/s at max" in text
+
+
+def test_nvml_errors_become_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeNvml()
+
+    def broken(h: object) -> int:
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    fake.nvmlDeviceGetCurrPcieLinkGeneration = broken
+    monkeypatch.setattr(_env, "_nvml", lambda: (fake, "ok"))
+    monkeypatch.setattr(_env, "_torch_cuda", lambda: (None, "no torch GPU (test)"))
+    (g,), _ = _env.list_gpus()
+    assert g.pcie.current_gbps is None and "NOT_SUPPORTED" in (g.pcie.error or "")
+    assert "PCIe: unknown" in info.format_report({**_env.gather(), "gpus": [asdict(g)]})
+
+
+def test_driver_answer_overrides_arch_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a GPU the driver's own answer (cudaFuncGetAttributes on a kernel) decides coverage."""
+
+    class FakeExt:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def build_info(self) -> dict:
+            return {"archs": "90", "cuda_version": 13000, "cudart": "static"}
+
+        def kernel_image_versions(self, device: int) -> tuple[int, int]:
+            if self.fail:
+                raise RuntimeError("cudaFuncGetAttributes failed: cudaErrorNoKernelImageForDevice")
+            return 90, 90
+
+    for fail in (False, True):
+        monkeypatch.setattr(_env, "_load", lambda f=fail: (FakeExt(f), "ok"))
+        monkeypatch.setattr(_env, "build_info", lambda: {"cuda_built": True, "archs": ["90"]})
+        g = _env.GpuInfo(0, "NVIDIA H200", "9.0", 132, 139.8)
+        _env._mark_coverage([g], can_launch=True)
+        assert g.kernels_cover_arch is (not fail)
+        assert ("NoKernelImage" in g.coverage) if fail else ("binaryVersion 90" in g.coverage)
