@@ -1,0 +1,356 @@
+"""io-backends: five ways to execute a :class:`~hicache_kernels.plan.TransferPlan`, selected by name.
+
+===========  =====================================================================================
+``direct``   copy engines: runs of consecutive slots merged, one ``cudaMemcpyAsync`` (or
+             ``cudaMemcpy2DAsync`` for strided rows) per run, layer, K/V and chunk. The baseline.
+             On CPU tensors the same fragments are copied with torch.
+``batch``    the same fragments split into 1-D pieces, all in one ``cudaMemcpyBatchAsync``
+             (CUDA >= 12.8). Falls back to ``direct`` on the legacy default stream (which the call
+             refuses) or when the driver rejects the call, and says so with a warning and in
+             ``last_fallback``.
+``kernel``   the CUDA kernels of ``csrc/``: SM threads read/write pinned host memory through its
+             device-mapped address (zero copy), on a bounded grid (``num_blocks`` blocks of
+             ``warps_per_block`` warps; default 4 x 32, so at most 4 SMs).
+``triton``   the same gather/scatter in Triton (zero copy as well); on CPU tensors under
+             ``TRITON_INTERPRET=1``.
+``auto``     per call, ``kernel`` for fragments below a tunable size and copy engines above it
+             (:class:`AutoBackend`; thresholds persist in a JSON file).
+===========  =====================================================================================
+
+All run on ``plan.stream`` or the current CUDA stream and never synchronise the host, except that
+copy-engine backends need the indices on the host: CUDA index tensors are copied over (a sync).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._ext import BackendUnavailableError, extension_status, load_extension
+from .fragments import Fragments, TensorMemory, plan_fragments, split_rows
+from .plan import Side, TransferPlan
+
+
+def _device_side(plan: TransferPlan) -> Side:
+    return plan.src if plan.direction == "d2h" else plan.dst
+
+
+def _host_side(plan: TransferPlan) -> Side:
+    return plan.dst if plan.direction == "d2h" else plan.src
+
+
+def _stream(plan: TransferPlan) -> Any:
+    return plan.stream if plan.stream is not None else torch.cuda.current_stream(_device_side(plan).device)
+
+
+class IOBackend:
+    """Base class: ``run(plan)`` executes a plan; ``unavailable(plan)`` says why it cannot, or None."""
+
+    name = "base"
+
+    def unavailable(self, plan: TransferPlan) -> str | None:
+        return None
+
+    def run(self, plan: TransferPlan) -> None:
+        reason = self.unavailable(plan)
+        if reason is not None:
+            raise BackendUnavailableError(f"io-backend {self.name!r}: {reason}")
+        self._run(plan)
+
+    def _run(self, plan: TransferPlan) -> None:
+        raise NotImplementedError
+
+
+def _cuda_reason(plan: TransferPlan) -> str | None:
+    dev = _device_side(plan)
+    if not dev.is_cuda:
+        return "needs the device pool on a CUDA GPU (got CPU tensors)"
+    return None
+
+
+def _pinned_reason(plan: TransferPlan) -> str | None:
+    host = _host_side(plan).tensors[0]
+    if not host.is_pinned():
+        return "host: reads and writes host memory directly, so the host pool must be pinned (pin_memory=True)"
+    return None
+
+
+class DirectBackend(IOBackend):
+    """Copy-engine baseline (see module docstring)."""
+
+    name = "direct"
+
+    def _run(self, plan: TransferPlan) -> None:
+        frags = plan_fragments(plan)
+        if len(frags) == 0:
+            return
+        if _device_side(plan).is_cuda:
+            ok, _ = extension_status()
+            if ok:
+                self._issue(frags, _stream(plan))
+                return
+            # Without the extension: the same fragments as torch copies (cudaMemcpyAsync underneath).
+            with torch.cuda.stream(_stream(plan)):
+                TensorMemory(plan.src.tensors + plan.dst.tensors).copy(frags)
+            return
+        TensorMemory(plan.src.tensors + plan.dst.tensors).copy(frags)
+
+    @staticmethod
+    def _issue(f: Fragments, stream: Any) -> None:
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (f.dst, f.dst_pitch, f.src, f.src_pitch, f.width)]
+        height = np.ascontiguousarray(f.height, dtype=np.int64)
+        load_extension().memcpy_fragments(
+            *(a.ctypes.data for a in arrays), height.ctypes.data, len(f), stream.cuda_stream
+        )
+
+
+# cudaMemcpyBatchAsync errors after which per-fragment copies are the documented fallback.
+_BATCH_FALLBACK_ERRORS = (
+    "cudaErrorNotSupported",
+    "cudaErrorInvalidValue",
+    "cudaErrorCallRequiresNewerDriver",
+    "cudaErrorInvalidResourceHandle",
+)
+
+
+class BatchBackend(IOBackend):
+    """All fragments in one ``cudaMemcpyBatchAsync`` (see module docstring)."""
+
+    name = "batch"
+
+    def unavailable(self, plan: TransferPlan) -> str | None:
+        if not _device_side(plan).is_cuda:
+            return None  # CPU tensors: the pieces are copied with torch
+        ok, reason = extension_status()
+        return None if ok else reason
+
+    def __init__(self) -> None:
+        self.last_fallback: str | None = None
+        self._warned: set[str] = set()
+
+    def _fallback(self, reason: str, frags: Fragments, stream: Any) -> None:
+        self.last_fallback = reason
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"io-backend 'batch' fell back to 'direct': {reason}", RuntimeWarning, stacklevel=4)
+        DirectBackend._issue(frags, stream)
+
+    def _run(self, plan: TransferPlan) -> None:
+        self.last_fallback = None
+        frags = plan_fragments(plan)
+        if len(frags) == 0:
+            return
+        dst, src, size = split_rows(frags)
+        if not _device_side(plan).is_cuda:
+            TensorMemory(plan.src.tensors + plan.dst.tensors).copy_pieces(dst, src, size)
+            return
+        ext = load_extension()
+        stream = _stream(plan)
+        if stream.cuda_stream == 0:
+            self._fallback("the legacy default stream is refused by cudaMemcpyBatchAsync", frags, stream)
+            return
+        dst, src, size = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, size))
+        code = ext.memcpy_batch(
+            dst.ctypes.data,
+            src.ctypes.data,
+            size.ctypes.data,
+            int(size.size),
+            int(plan.direction == "h2d"),
+            stream.cuda_stream,
+        )
+        if code != 0:
+            name = ext.error_name(code)
+            if name not in _BATCH_FALLBACK_ERRORS:
+                raise RuntimeError(f"cudaMemcpyBatchAsync failed: {name}")
+            self._fallback(f"cudaMemcpyBatchAsync returned {name}", frags, stream)
+
+
+class KernelBackend(IOBackend):
+    """Zero-copy CUDA kernels on a bounded grid (see module docstring)."""
+
+    name = "kernel"
+
+    def __init__(self, num_blocks: int = 4, warps_per_block: int = 32) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        if not isinstance(warps_per_block, int) or not 1 <= warps_per_block <= 32:
+            raise ValueError(f"warps_per_block: expected an int in [1, 32], got {warps_per_block!r}")
+        self.num_blocks = num_blocks
+        self.warps_per_block = warps_per_block
+        self._tables: dict[tuple, torch.Tensor] = {}
+        self._host_ptrs: dict[int, int] = {}
+
+    def unavailable(self, plan: TransferPlan) -> str | None:
+        try:
+            load_extension()
+        except BackendUnavailableError as exc:
+            return str(exc)
+        return _cuda_reason(plan) or _pinned_reason(plan)
+
+    def device_table(self, side: Side) -> torch.Tensor:
+        """The side's per-(kv, layer) address table as a CUDA int64 tensor, built once per pool."""
+        key = (side.device, side.table)
+        t = self._tables.get(key)
+        if t is None:
+            t = torch.tensor(side.table, dtype=torch.int64).to(side.device)
+            self._tables[key] = t
+        return t
+
+    def _host_base(self, side: Side) -> int:
+        ptr = self._host_ptrs.get(side.base)
+        if ptr is None:
+            # The device alias of pinned memory equals its host address under UVA on Linux x86, but not
+            # everywhere (ROCm, WSL2): always ask.
+            ptr = load_extension().host_device_pointer(side.base)
+            self._host_ptrs[side.base] = ptr
+        return ptr
+
+    def _desc(self, side: Side) -> tuple[tuple[int, ...], int]:
+        desc = list(side.desc())
+        if side.is_table:
+            desc[0] = self.device_table(side).data_ptr()
+            addrs = side.table
+        else:
+            desc[0] = self._host_base(side)
+            addrs = (desc[0],)
+        align = math.gcd(*addrs, side.s_kv, side.s_layer, side.s_page, side.s_in_page, side.s_chunk)
+        return tuple(desc), align
+
+    def _run(self, plan: TransferPlan) -> None:
+        n = plan.num_items
+        if n == 0:
+            return
+        ext = load_extension()
+        stream = _stream(plan)
+        device = _device_side(plan).device
+        src_desc, src_align = self._desc(plan.src)
+        dst_desc, dst_align = self._desc(plan.dst)
+        align = math.gcd(src_align, dst_align, plan.chunk_bytes)
+        idx = []
+        for t in (plan.src_indices, plan.dst_indices):
+            if t.device != device:
+                t = t.to(device, non_blocking=True)
+                if stream != torch.cuda.current_stream(device):
+                    t.record_stream(stream)
+            idx.append(t)
+        ext.transfer(
+            src_desc, plan.src.is_table, dst_desc, plan.dst.is_table,
+            idx[0].data_ptr(), idx[1].data_ptr(), n,
+            plan.layer_begin, plan.layer_count, plan.num_kv, plan.num_chunks, plan.chunk_bytes, align,
+            self.num_blocks, self.warps_per_block, 0, stream.cuda_stream,
+        )  # fmt: skip
+
+
+class TritonBackend(IOBackend):
+    """Triton gather/scatter (see :mod:`hicache_kernels.triton_transfer`)."""
+
+    name = "triton"
+
+    def unavailable(self, plan: TransferPlan) -> str | None:
+        if _device_side(plan).is_cuda:
+            return _pinned_reason(plan)
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing triton"
+        return None
+
+    def _run(self, plan: TransferPlan) -> None:
+        from .triton_transfer import run_triton
+
+        run_triton(plan)
+
+
+def _default_auto_path() -> Path:
+    env = os.environ.get("HICACHE_AUTO_CONFIG")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "hicache_kernels" / "auto.json"
+
+
+class AutoBackend(IOBackend):
+    """Chooses per call between ``kernel`` and the copy engines by estimated fragment size.
+
+    A fragment is a run of consecutive slots; callers allocate whole pages, so its size is estimated
+    without looking at the indices (which may sit on the GPU) as ``item_bytes * page_size``
+    (``chunk_bytes * page_size`` for ``page_head``). Fragments below ``kernel_max_fragment_bytes`` go
+    to ``kernel`` (per-copy issue cost dominates copy engines there), larger ones to ``batch`` (on a
+    non-default stream) or ``direct``. Thresholds load from ``HICACHE_AUTO_CONFIG`` or
+    ``~/.config/hicache_kernels/auto.json`` and :meth:`save` writes them, so a benchmark can re-tune.
+    """
+
+    name = "auto"
+    DEFAULTS = {"kernel_max_fragment_bytes": 256 * 1024}
+
+    def __init__(self, thresholds: dict[str, int] | None = None, path: Path | None = None) -> None:
+        self.path = path or _default_auto_path()
+        self.thresholds = dict(self.DEFAULTS)
+        if thresholds is None and self.path.exists():
+            loaded = json.loads(self.path.read_text())
+            unknown = set(loaded) - set(self.DEFAULTS)
+            if unknown:
+                raise ValueError(f"{self.path}: unknown auto thresholds {sorted(unknown)}")
+            self.thresholds.update({k: int(v) for k, v in loaded.items()})
+        elif thresholds is not None:
+            unknown = set(thresholds) - set(self.DEFAULTS)
+            if unknown:
+                raise ValueError(f"thresholds: unknown keys {sorted(unknown)}; expected {sorted(self.DEFAULTS)}")
+            self.thresholds.update(thresholds)
+        self.kernel = KernelBackend()
+        self.batch = BatchBackend()
+        self.direct = DirectBackend()
+        self.last_choice: str | None = None
+
+    def save(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.thresholds, indent=2) + "\n")
+        return self.path
+
+    def choose(self, plan: TransferPlan) -> IOBackend:
+        if not _device_side(plan).is_cuda:
+            return self.direct
+        fragment = plan.chunk_bytes * int(plan.extras.get("page_size", 1))
+        if fragment < self.thresholds["kernel_max_fragment_bytes"] and self.kernel.unavailable(plan) is None:
+            return self.kernel
+        if _stream(plan).cuda_stream != 0 and self.batch.unavailable(plan) is None:
+            return self.batch
+        return self.direct
+
+    def _run(self, plan: TransferPlan) -> None:
+        backend = self.choose(plan)
+        self.last_choice = backend.name
+        backend.run(plan)
+
+
+_FACTORIES = {
+    "direct": DirectBackend,
+    "batch": BatchBackend,
+    "kernel": KernelBackend,
+    "triton": TritonBackend,
+    "auto": AutoBackend,
+}
+_DEFAULTS: dict[str, IOBackend] = {}
+
+
+def get_backend(name: str | IOBackend, **options: Any) -> IOBackend:
+    """An io-backend by name (``direct``, ``batch``, ``kernel``, ``triton``, ``auto``).
+
+    Without options the shared instance is returned (its caches live across calls); with options a
+    new one is built, e.g. ``get_backend("kernel", num_blocks=2)``.
+    """
+    if isinstance(name, IOBackend):
+        if options:
+            raise ValueError("options: cannot be combined with a backend instance")
+        return name
+    if name not in _FACTORIES:
+        raise ValueError(f"backend: expected one of {', '.join(_FACTORIES)}, got {name!r}")
+    if options:
+        return _FACTORIES[name](**options)
+    if name not in _DEFAULTS:
+        _DEFAULTS[name] = _FACTORIES[name]()
+    return _DEFAULTS[name]
