@@ -3,10 +3,13 @@
 // torch version.
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
+#include "copy_engine.h"
 #include "runtime.h"
+#include "transfer.h"
 
 namespace py = pybind11;
 
@@ -52,6 +55,87 @@ py::tuple kernel_image_versions(int device) {
   return py::make_tuple(binary, ptx);
 }
 
+cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+template <class T>
+T* as_ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// A side of a transfer: the 9 integers of plan.Side.desc().
+hicache::SideDesc side_desc(const py::sequence& desc, const char* name) {
+  if (py::len(desc) != 9) {
+    throw py::value_error(std::string(name) +
+                          ": expected 9 ints (base, num_layers, s_kv, s_layer, s_page, "
+                          "s_in_page, s_chunk, page_size, num_slots), got " +
+                          std::to_string(py::len(desc)));
+  }
+  int64_t v[9];
+  for (int k = 0; k < 9; ++k) {
+    v[k] = desc[k].cast<int64_t>();
+  }
+  return hicache::SideDesc{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
+}
+
+void transfer(const py::sequence& src_desc, bool src_table, const py::sequence& dst_desc,
+              bool dst_table, std::uintptr_t src_idx_ptr, std::uintptr_t dst_idx_ptr, int64_t n,
+              int layer_begin, int layer_count, int num_kv, int num_chunks, int64_t chunk_bytes,
+              int64_t align_bytes, int num_blocks, int warps_per_block,
+              std::uintptr_t oob_count_ptr, std::uintptr_t stream) {
+  const hicache::SideDesc src = side_desc(src_desc, "src_desc");
+  const hicache::SideDesc dst = side_desc(dst_desc, "dst_desc");
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = hicache::launch_transfer(
+        src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
+        as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count, num_kv, num_chunks,
+        chunk_bytes, align_bytes, num_blocks, warps_per_block, as_ptr<int>(oob_count_ptr),
+        as_stream(stream));
+  }
+  check(err, "launch_transfer");
+}
+
+int vector_bytes(int64_t align_bytes) {
+  if (align_bytes < 0) {
+    throw py::value_error("align_bytes: must be >= 0, got " + std::to_string(align_bytes));
+  }
+  return hicache::vector_bytes(align_bytes);
+}
+
+void memcpy_fragments(std::uintptr_t dst_ptr, std::uintptr_t dst_pitch_ptr, std::uintptr_t src_ptr,
+                      std::uintptr_t src_pitch_ptr, std::uintptr_t width_ptr,
+                      std::uintptr_t height_ptr, int64_t count, std::uintptr_t stream) {
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = hicache::memcpy_fragments(
+        as_ptr<const int64_t>(dst_ptr), as_ptr<const int64_t>(dst_pitch_ptr),
+        as_ptr<const int64_t>(src_ptr), as_ptr<const int64_t>(src_pitch_ptr),
+        as_ptr<const int64_t>(width_ptr), as_ptr<const int64_t>(height_ptr), count,
+        as_stream(stream));
+  }
+  check(err, "memcpy_fragments");
+}
+
+int memcpy_batch(std::uintptr_t dst_ptr, std::uintptr_t src_ptr, std::uintptr_t sizes_ptr,
+                 int64_t count, int direction, std::uintptr_t stream) {
+  py::gil_scoped_release release;
+  return static_cast<int>(hicache::memcpy_batch(as_ptr<const int64_t>(dst_ptr),
+                                                as_ptr<const int64_t>(src_ptr),
+                                                as_ptr<const int64_t>(sizes_ptr), count, direction,
+                                                as_stream(stream)));
+}
+
+std::string error_name(int code) { return cudaGetErrorName(static_cast<cudaError_t>(code)); }
+
+std::uintptr_t host_device_pointer(std::uintptr_t host_ptr) {
+  void* device = nullptr;
+  check(hicache::host_device_pointer(as_ptr<const void>(host_ptr), &device),
+        "cudaHostGetDevicePointer");
+  return reinterpret_cast<std::uintptr_t>(device);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -62,4 +146,26 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_count", &device_count, "Number of CUDA devices; raises without a driver.");
   m.def("kernel_image_versions", &kernel_image_versions, py::arg("device"),
         "(binaryVersion, ptxVersion) of this build's code for the device; raises when none fits.");
+  m.def("transfer", &transfer, py::arg("src_desc"), py::arg("src_table"), py::arg("dst_desc"),
+        py::arg("dst_table"), py::arg("src_idx_ptr"), py::arg("dst_idx_ptr"), py::arg("n"),
+        py::arg("layer_begin"), py::arg("layer_count"), py::arg("num_kv"), py::arg("num_chunks"),
+        py::arg("chunk_bytes"), py::arg("align_bytes"), py::arg("num_blocks"),
+        py::arg("warps_per_block"), py::arg("oob_count_ptr"), py::arg("stream"),
+        "Launch one chunk gather/scatter (csrc/transfer.h). Descs are plan.Side.desc() 9-tuples "
+        "(bytes); index and counter pointers are device addresses (oob_count_ptr 0 = none).");
+  m.def("vector_bytes", &vector_bytes, py::arg("align_bytes"),
+        "Vector width the transfer kernel uses when all addresses/strides are multiples of "
+        "align_bytes: the largest of 16, 8, 4, 2, 1 dividing it (16 for 0).");
+  m.def("memcpy_fragments", &memcpy_fragments, py::arg("dst_ptr"), py::arg("dst_pitch_ptr"),
+        py::arg("src_ptr"), py::arg("src_pitch_ptr"), py::arg("width_ptr"), py::arg("height_ptr"),
+        py::arg("count"), py::arg("stream"),
+        "cudaMemcpyAsync / cudaMemcpy2DAsync per fragment; *_ptr are addresses of host int64 "
+        "arrays of `count` entries (bytes). Raises on the first error.");
+  m.def("memcpy_batch", &memcpy_batch, py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("sizes_ptr"),
+        py::arg("count"), py::arg("direction"), py::arg("stream"),
+        "All 1-D fragments in one cudaMemcpyBatchAsync (direction 0 = d2h, 1 = h2d); *_ptr are "
+        "addresses of host int64 arrays. Returns the cudaError_t as an int (0 = success).");
+  m.def("error_name", &error_name, py::arg("code"), "cudaGetErrorName of a cudaError_t value.");
+  m.def("host_device_pointer", &host_device_pointer, py::arg("host_ptr"),
+        "Device address of mapped pinned host memory (cudaHostGetDevicePointer); raises on error.");
 }

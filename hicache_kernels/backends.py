@@ -77,7 +77,7 @@ def _cuda_reason(plan: TransferPlan) -> str | None:
 
 def _pinned_reason(plan: TransferPlan) -> str | None:
     host = _host_side(plan).tensors[0]
-    if not host.is_pinned():
+    if host.device.type == "cpu" and not host.is_pinned():
         return "host: reads and writes host memory directly, so the host pool must be pinned (pin_memory=True)"
     return None
 

@@ -1,26 +1,23 @@
-"""Test set-up: Triton runs under its CPU interpreter unless a GPU is present; `gpu` tests skip
-cleanly without CUDA."""
+"""Test set-up: Triton runs under its CPU interpreter when no GPU is visible (natively when one is);
+`gpu` tests skip cleanly without CUDA."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-# Must happen before Triton is imported anywhere in the session.
-os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("HICACHE_TEST_ON_GPU") == "1" else "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+# Decide before anything imports Triton: the interpreter reads TRITON_INTERPRET at import time.
+CUDA = torch.cuda.is_available()
+os.environ.setdefault("TRITON_INTERPRET", "0" if CUDA else "1")
+sys.path.insert(0, str(Path(__file__).parent))  # tests/kvdata.py
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
+    if CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and driver (torch.cuda.is_available() is False)")
     for item in items:

@@ -1,0 +1,94 @@
+// Copy-engine helpers (declarations and contracts: copy_engine.h).
+#include <cstddef>
+#include <vector>
+
+#include "copy_engine.h"
+
+namespace hicache {
+
+cudaError_t memcpy_fragments(const int64_t* dst, const int64_t* dst_pitch, const int64_t* src,
+                             const int64_t* src_pitch, const int64_t* width,
+                             const int64_t* height, int64_t count, cudaStream_t stream) {
+  if (count < 0) {
+    return cudaErrorInvalidValue;
+  }
+  for (int64_t k = 0; k < count; ++k) {
+    if (width[k] < 0 || height[k] < 0 || dst_pitch[k] < 0 || src_pitch[k] < 0) {
+      return cudaErrorInvalidValue;
+    }
+    if (width[k] == 0 || height[k] == 0) {
+      continue;
+    }
+    void* d = reinterpret_cast<void*>(dst[k]);
+    const void* s = reinterpret_cast<const void*>(src[k]);
+    if (height[k] == 1 || (src_pitch[k] == width[k] && dst_pitch[k] == width[k])) {
+      HICACHE_RETURN_IF_ERROR(cudaMemcpyAsync(d, s, static_cast<size_t>(width[k] * height[k]),
+                                              cudaMemcpyDefault, stream));
+    } else {
+      HICACHE_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+          d, static_cast<size_t>(dst_pitch[k]), s, static_cast<size_t>(src_pitch[k]),
+          static_cast<size_t>(width[k]), static_cast<size_t>(height[k]), cudaMemcpyDefault,
+          stream));
+    }
+  }
+  return cudaSuccess;
+}
+
+cudaError_t memcpy_batch(const int64_t* dst, const int64_t* src, const int64_t* sizes,
+                         int64_t count, int direction, cudaStream_t stream) {
+  if (count < 0 || (direction != kDeviceToHost && direction != kHostToDevice)) {
+    return cudaErrorInvalidValue;
+  }
+  if (stream == nullptr || stream == cudaStreamLegacy) {
+    return cudaErrorInvalidResourceHandle;  // cudaMemcpyBatchAsync refuses the legacy stream
+  }
+  if (count == 0) {
+    return cudaSuccess;
+  }
+#if CUDART_VERSION >= 12080
+  std::vector<void*> dsts(static_cast<size_t>(count));
+  std::vector<void*> srcs(static_cast<size_t>(count));
+  std::vector<size_t> bytes(static_cast<size_t>(count));
+  for (int64_t k = 0; k < count; ++k) {
+    if (sizes[k] < 0) {
+      return cudaErrorInvalidValue;
+    }
+    dsts[k] = reinterpret_cast<void*>(dst[k]);
+    srcs[k] = reinterpret_cast<void*>(src[k]);
+    bytes[k] = static_cast<size_t>(sizes[k]);
+  }
+  int device = 0;
+  HICACHE_RETURN_IF_ERROR(cudaGetDevice(&device));
+  cudaMemLocation host_loc{};
+  host_loc.type = cudaMemLocationTypeHost;
+  cudaMemLocation device_loc{};
+  device_loc.type = cudaMemLocationTypeDevice;
+  device_loc.id = device;
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.srcLocHint = direction == kDeviceToHost ? device_loc : host_loc;
+  attr.dstLocHint = direction == kDeviceToHost ? host_loc : device_loc;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_index = 0;  // the one attribute applies from fragment 0 on
+#if CUDART_VERSION >= 13000
+  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), bytes.data(), bytes.size(), &attr,
+                              &attr_index, 1, stream);
+#else
+  size_t fail_index = 0;
+  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), bytes.data(), bytes.size(), &attr,
+                              &attr_index, 1, &fail_index, stream);
+#endif
+#else
+  (void)dst;
+  (void)src;
+  (void)sizes;
+  return cudaErrorNotSupported;
+#endif
+}
+
+cudaError_t host_device_pointer(const void* host, void** device) {
+  *device = nullptr;
+  return cudaHostGetDevicePointer(device, const_cast<void*>(host), 0);
+}
+
+}  // namespace hicache

@@ -1,0 +1,285 @@
+// Transfer kernel family: header-only device code and its templated launcher (no framework code).
+// Geometry and argument meaning: transfer.h.
+//
+// Work: a unit is one chunk (i, kv, l, c), ordered i slowest, then kv, then l, then c fastest, so
+// neighbouring workers touch neighbouring host memory for page-first layouts. A small fixed grid of
+// warps loops over the units grid-stride. Each warp is split into sub-warps of G = 2^k lanes,
+// G = min(32, next_pow2(vectors per chunk)), one unit per sub-warp at a time, so every instruction
+// of a sub-warp covers min(chunk, 32 vectors) contiguous bytes. A lane walks its sub-warp's
+// (unit, step) sequence (step s covers vectors [s * G, s * G + G) of the unit) and issues kUnroll
+// independent loads (spanning several units when chunks are small) before the matching stores,
+// keeping up to 32 * kUnroll * kVecBytes bytes (2 KiB at 16 B) in flight per warp.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "transfer.h"
+
+namespace hicache {
+
+constexpr int kTransferUnroll = 4;           // independent vectors in flight per lane
+constexpr int kTransferMaxThreads = 32 * 32;  // warps_per_block <= 32
+
+// Register type of one vector; 1-byte vectors live in a 16-bit register (PTX has no 8-bit ones).
+template <int kVecBytes>
+struct Vec;
+template <>
+struct Vec<16> {
+  using type = uint4;
+};
+template <>
+struct Vec<8> {
+  using type = uint2;
+};
+template <>
+struct Vec<4> {
+  using type = uint32_t;
+};
+template <>
+struct Vec<2> {
+  using type = uint16_t;
+};
+template <>
+struct Vec<1> {
+  using type = uint16_t;
+};
+
+// Loads: non-coherent path without L1 allocation (the source is never written during a transfer);
+// stores: streaming (evict-first). Pinned host memory is accessed through its device address, so
+// every byte crosses the link exactly once. `volatile` keeps all loads of a round ahead of its
+// stores.
+template <int kVecBytes>
+__device__ __forceinline__ typename Vec<kVecBytes>::type load_vec(const char* p);
+template <int kVecBytes>
+__device__ __forceinline__ void store_vec(char* p, typename Vec<kVecBytes>::type v);
+
+template <>
+__device__ __forceinline__ uint4 load_vec<16>(const char* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+template <>
+__device__ __forceinline__ uint2 load_vec<8>(const char* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p));
+  return v;
+}
+template <>
+__device__ __forceinline__ uint32_t load_vec<4>(const char* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+template <>
+__device__ __forceinline__ uint16_t load_vec<2>(const char* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+template <>
+__device__ __forceinline__ uint16_t load_vec<1>(const char* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+template <>
+__device__ __forceinline__ void store_vec<16>(char* p, uint4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+template <>
+__device__ __forceinline__ void store_vec<8>(char* p, uint2 v) {
+  asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+template <>
+__device__ __forceinline__ void store_vec<4>(char* p, uint32_t v) {
+  asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+template <>
+__device__ __forceinline__ void store_vec<2>(char* p, uint16_t v) {
+  asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+template <>
+__device__ __forceinline__ void store_vec<1>(char* p, uint16_t v) {
+  asm volatile("st.global.cs.u8 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+
+// Byte address of chunk 0 of `slot` in (kv, layer), without the chunk term.
+__device__ __forceinline__ int64_t slot_offset(const SideDesc& d, int64_t slot) {
+  if (d.page_size == 1) {
+    return slot * d.s_page;
+  }
+  const int64_t page = slot / d.page_size;
+  return page * d.s_page + (slot - page * d.page_size) * d.s_in_page;
+}
+
+// One base address plus strides: every host layout, and stacked device pools.
+struct AffineSide {
+  static __device__ __forceinline__ int64_t address(const SideDesc& d, int kv, int layer,
+                                                    int64_t slot) {
+    return d.base + kv * d.s_kv + layer * d.s_layer + slot_offset(d, slot);
+  }
+};
+
+// A device table of per-(kv, layer) pool addresses: layer-first pools allocated per layer.
+struct TableSide {
+  static __device__ __forceinline__ int64_t address(const SideDesc& d, int kv, int layer,
+                                                    int64_t slot) {
+    const int64_t* table = reinterpret_cast<const int64_t*>(d.base);
+    return __ldg(table + kv * d.num_layers + layer) + slot_offset(d, slot);
+  }
+};
+
+struct TransferParams {
+  SideDesc src;
+  SideDesc dst;
+  const int64_t* src_idx;  // device, n entries
+  const int64_t* dst_idx;  // device, n entries
+  int64_t total_units;     // n * units_per_index
+  int units_per_index;     // num_kv * layer_count * num_chunks
+  int layer_begin;
+  int layer_count;
+  int num_chunks;
+  int vecs_per_chunk;  // chunk_bytes / kVecBytes
+  int group_shift;     // log2 of the sub-warp size G
+  int steps_per_unit;  // ceil(vecs_per_chunk / G)
+  int* oob_count;      // device counter of skipped units, or nullptr
+};
+
+// Resolve `unit` to its source and destination chunk; false (and counted once per unit) when an
+// index is out of range.
+template <class SrcSide, class DstSide>
+__device__ __forceinline__ bool locate_unit(const TransferParams& p, int64_t unit, bool leader,
+                                            const char*& src, char*& dst) {
+  const int64_t i = unit / p.units_per_index;
+  int rest = static_cast<int>(unit - i * p.units_per_index);
+  const int c = rest % p.num_chunks;
+  rest /= p.num_chunks;
+  const int layer = p.layer_begin + rest % p.layer_count;
+  const int kv = rest / p.layer_count;
+  const int64_t s = __ldg(p.src_idx + i);
+  const int64_t d = __ldg(p.dst_idx + i);
+  if (static_cast<uint64_t>(s) >= static_cast<uint64_t>(p.src.num_slots) ||
+      static_cast<uint64_t>(d) >= static_cast<uint64_t>(p.dst.num_slots)) {
+    if (leader && p.oob_count != nullptr) {
+      atomicAdd(p.oob_count, 1);
+    }
+    return false;
+  }
+  src = reinterpret_cast<const char*>(SrcSide::address(p.src, kv, layer, s) + c * p.src.s_chunk);
+  dst = reinterpret_cast<char*>(DstSide::address(p.dst, kv, layer, d) + c * p.dst.s_chunk);
+  return true;
+}
+
+template <class SrcSide, class DstSide, int kVecBytes>
+__global__ void __launch_bounds__(kTransferMaxThreads)
+    transfer_kernel(const __grid_constant__ TransferParams p) {
+  using V = typename Vec<kVecBytes>::type;
+  const int lane = threadIdx.x & 31;
+  const int sub_lane = lane & ((1 << p.group_shift) - 1);
+  const int64_t groups_per_warp = 32 >> p.group_shift;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5) * groups_per_warp;
+  int64_t unit = warp * groups_per_warp + (lane >> p.group_shift);
+  if (unit >= p.total_units) {
+    return;
+  }
+  const char* src = nullptr;
+  char* dst = nullptr;
+  bool ok = locate_unit<SrcSide, DstSide>(p, unit, sub_lane == 0, src, dst);
+  int step = 0;
+  while (unit < p.total_units) {
+    V buf[kTransferUnroll];
+    char* out[kTransferUnroll];
+#pragma unroll
+    for (int t = 0; t < kTransferUnroll; ++t) {
+      const int v = sub_lane + (step << p.group_shift);
+      out[t] = nullptr;
+      if (unit < p.total_units && ok && v < p.vecs_per_chunk) {
+        const int64_t off = static_cast<int64_t>(v) * kVecBytes;
+        buf[t] = load_vec<kVecBytes>(src + off);
+        out[t] = dst + off;
+      }
+      if (++step == p.steps_per_unit) {
+        step = 0;
+        unit += stride;
+        if (unit < p.total_units) {
+          ok = locate_unit<SrcSide, DstSide>(p, unit, sub_lane == 0, src, dst);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kTransferUnroll; ++t) {
+      if (out[t] != nullptr) {
+        store_vec<kVecBytes>(out[t], buf[t]);
+      }
+    }
+  }
+}
+
+// The one launcher: `p` is complete except the sub-warp geometry, derived here from kVecBytes.
+template <class SrcSide, class DstSide, int kVecBytes>
+cudaError_t launch_transfer_kernel(TransferParams p, int64_t chunk_bytes, int num_blocks,
+                                   int warps_per_block, cudaStream_t stream) {
+  p.vecs_per_chunk = static_cast<int>(chunk_bytes / kVecBytes);
+  p.group_shift = 0;
+  while (p.group_shift < 5 && (1 << p.group_shift) < p.vecs_per_chunk) {
+    ++p.group_shift;
+  }
+  const int group = 1 << p.group_shift;
+  p.steps_per_unit = (p.vecs_per_chunk + group - 1) / group;
+  // Never more blocks than the work can occupy (one unit per sub-warp).
+  const int64_t workers_per_block = static_cast<int64_t>(warps_per_block) * (32 / group);
+  const int64_t blocks_needed = (p.total_units + workers_per_block - 1) / workers_per_block;
+  const int blocks = static_cast<int>(blocks_needed < num_blocks ? blocks_needed : num_blocks);
+  transfer_kernel<SrcSide, DstSide, kVecBytes><<<blocks, warps_per_block * 32, 0, stream>>>(p);
+  HICACHE_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+// Run-time vector width -> compile-time kVec. An unexpected width fails loudly.
+#define HICACHE_VEC_SWITCH(vec_bytes, kVec, ...) \
+  switch (vec_bytes) {                           \
+    case 16: {                                   \
+      constexpr int kVec = 16;                   \
+      __VA_ARGS__                                \
+    }                                            \
+    case 8: {                                    \
+      constexpr int kVec = 8;                    \
+      __VA_ARGS__                                \
+    }                                            \
+    case 4: {                                    \
+      constexpr int kVec = 4;                    \
+      __VA_ARGS__                                \
+    }                                            \
+    case 2: {                                    \
+      constexpr int kVec = 2;                    \
+      __VA_ARGS__                                \
+    }                                            \
+    case 1: {                                    \
+      constexpr int kVec = 1;                    \
+      __VA_ARGS__                                \
+    }                                            \
+    default:                                     \
+      return cudaErrorInvalidValue;              \
+  }
+
+// Run-time side kind -> side functor type.
+#define HICACHE_SIDE_SWITCH(is_table, Side, ...) \
+  if (is_table) {                                \
+    using Side = TableSide;                      \
+    __VA_ARGS__                                  \
+  } else {                                       \
+    using Side = AffineSide;                     \
+    __VA_ARGS__                                  \
+  }
+
+}  // namespace hicache

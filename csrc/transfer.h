@@ -1,0 +1,54 @@
+// Torch-free entry point of the transfer kernels: gather/scatter of KV-cache chunks between two
+// pools described by byte geometry (see hicache_kernels/plan.py). Host-compilable (no device code).
+//
+// A transfer copies, for each index i in [0, n), each layer l in [layer_begin, layer_begin +
+// layer_count), each kv in [0, num_kv) and each chunk c in [0, num_chunks), chunk_bytes bytes from
+// src.address(kv, l, src_idx[i], c) to dst.address(kv, l, dst_idx[i], c), where with
+// page = slot / page_size and off = slot % page_size:
+//   affine: base + kv * s_kv + l * s_layer + page * s_page + off * s_in_page + c * s_chunk
+//   table:  ((const int64_t*)base)[kv * num_layers + l] + page * s_page + off * s_in_page
+//           + c * s_chunk
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace hicache {
+
+// One side of a transfer, field for field plan.Side.desc(). Addresses and strides are in BYTES;
+// num_layers, page_size and num_slots are counts. For a table side, `base` is the DEVICE address of
+// an int64 table of num_kv * num_layers pool addresses and s_kv / s_layer are unused.
+struct SideDesc {
+  int64_t base;
+  int64_t num_layers;
+  int64_t s_kv;
+  int64_t s_layer;
+  int64_t s_page;
+  int64_t s_in_page;
+  int64_t s_chunk;
+  int64_t page_size;
+  int64_t num_slots;
+};
+
+// The width (16, 8, 4, 2 or 1 bytes) of the vectors a transfer moves when every address and
+// stride it uses is a multiple of `align_bytes`: the largest power of two <= 16 dividing it.
+// align_bytes == 0 means "no constraint" (16); negative values return 0 (invalid).
+int vector_bytes(int64_t align_bytes);
+
+// Launch one transfer on `stream`. src_idx / dst_idx: device arrays of n int64 slot indices.
+// align_bytes: a common divisor of every table entry the caller's table sides hold (0 when there
+// are none); the launcher combines it with the affine bases, the strides used and chunk_bytes to
+// pick the vector width (vector_bytes). num_blocks x warps_per_block warps loop over the work.
+// Units (i, kv, l, c) whose src index is outside [0, src.num_slots) or dst index outside
+// [0, dst.num_slots) write nothing and, when oob_count (device int*) is not null, are added to it.
+// Returns cudaErrorInvalidValue for bad arguments, cudaSuccess without launching when n == 0, else
+// the launch status.
+cudaError_t launch_transfer(const SideDesc& src, bool src_table, const SideDesc& dst,
+                            bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
+                            int64_t n, int layer_begin, int layer_count, int num_kv,
+                            int num_chunks, int64_t chunk_bytes, int64_t align_bytes,
+                            int num_blocks, int warps_per_block, int* oob_count,
+                            cudaStream_t stream);
+
+}  // namespace hicache

@@ -1,0 +1,1 @@
+"""Compatibility layers with the APIs of other KV-transfer packages."""

@@ -1,0 +1,477 @@
+"""Triton io-backend: one gather/scatter kernel that performs any :class:`~hicache_kernels.plan.TransferPlan`.
+
+The kernel implements the plan's byte formulas exactly (see :mod:`hicache_kernels.plan`)::
+
+    affine: base            + kv * s_kv + l * s_layer + (n // page) * s_page + (n % page) * s_in_page + c * s_chunk
+    table:  table[kv*L + l]                            + (n // page) * s_page + (n % page) * s_in_page + c * s_chunk
+
+It copies in the widest integer type (8, 4, 2 or 1 bytes) that divides every address, stride and
+``chunk_bytes`` of the plan, so every dtype (fp16, bf16, fp32, fp8, uint8) and every item size (6-byte
+items, 656-byte items) moves bit-exactly; all strides reach the kernel in elements of that type.
+
+Work split
+----------
+Program ``(r, u)`` moves rows ``[r * ROWS, (r + 1) * ROWS)`` of the index pairs for unit ``u``, one
+(kv, layer) pair: ``kv = u // layer_count``, ``l = layer_begin + u % layer_count``. Its tile is
+``ROWS x BLOCK`` elements: ``BLOCK`` is the item size in elements rounded up to a power of two (capped
+at :data:`MAX_BLOCK`; longer items loop), and ``ROWS`` packs several small items into one program so
+each program moves about :data:`TILE_BYTES`. Grid: ``(cdiv(n, ROWS), num_kv * layer_count)``;
+``n == 0`` launches nothing. Offsets are int64 throughout. A pair whose source or destination index
+is outside ``[0, num_slots)`` of its side (negative too) is masked out: nothing is read or written for
+it, whether or not the plan was checked.
+
+Devices
+-------
+- CPU tensors run under Triton's interpreter and need ``TRITON_INTERPRET=1`` set before Triton is
+  imported (tests/conftest.py does this). Affine sides are passed as ``uint8`` aliases of their
+  tensor's storage starting at the side's base address; tables as CPU int64 tensors.
+- CUDA: tables become CUDA int64 tensors, cached by (device, addresses) so repeated calls and
+  CUDA-graph capture reuse them (the first call for a pool copies its table to the device: make it
+  before capturing). The launch goes to ``plan.stream`` if given, else the current stream, and never
+  synchronises. Index tensors on the CPU are copied to the device first (use device indices under
+  graph capture).
+- **Zero-copy host access (untested: no GPU run has exercised this path yet).** A host side whose
+  tensor is a *pinned* CPU tensor is not copied: the kernel reads or writes the pinned pages directly
+  over PCIe/NVLink. Triton receives a small object exposing ``data_ptr()`` and ``dtype`` in place of
+  the CPU tensor; ``data_ptr()`` returns the device alias of the host address from the extension's
+  ``host_device_pointer`` when the CUDA extension provides it, else the host address itself, which is
+  valid under unified virtual addressing (Triton's launcher further resolves it with
+  ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)``). A non-pinned host tensor is rejected
+  with ``ValueError`` naming ``host``: pageable memory cannot be addressed by the GPU.
+
+Triton is imported on the first call only; without it :func:`run_triton` raises
+:class:`~hicache_kernels.BackendUnavailableError` with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ._ext import BackendUnavailableError, load_extension
+from .plan import Side, TransferPlan
+
+# Filled by _import_triton(); the kernel resolves ``tl`` from this module's globals when it compiles.
+tl: Any = None
+
+TILE_BYTES = 8192
+"""Bytes one program moves per loop iteration (``ROWS * BLOCK * width``) when items are small."""
+MAX_BLOCK = 4096
+"""Largest ``BLOCK`` (elements per row per iteration); longer items loop inside the program."""
+MAX_UNITS = 65535
+"""CUDA's limit on grid dimension 1, which holds the (kv, layer) units."""
+_TABLE_CACHE_SIZE = 256
+
+_WIDTH_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel. Plain function here; decorated with triton.jit lazily so importing this module does not
+# import Triton, and so the interpreter/compiled choice follows TRITON_INTERPRET at first use.
+# --------------------------------------------------------------------------------------------------
+def _transfer_kernel(
+    src,  # SRC_TABLE: int64 [num_kv * L] base addresses; else pointer to the pool's first byte
+    dst,  # same, for the destination side
+    src_idx,  # [n] source slot indices (any integer dtype), stride src_idx_stride elements
+    dst_idx,  # [n] destination slot indices
+    src_idx_stride,
+    dst_idx_stride,
+    n,
+    layer_begin,
+    layer_count,
+    item_elems,  # num_chunks * chunk_elems
+    chunk_elems,
+    # Per side: every stride below is in elements of ELEM, not bytes.
+    src_num_layers,
+    src_s_kv,
+    src_s_layer,
+    src_s_page,
+    src_s_in_page,
+    src_s_chunk,
+    src_page_size,
+    src_num_slots,
+    dst_num_layers,
+    dst_s_kv,
+    dst_s_layer,
+    dst_s_page,
+    dst_s_in_page,
+    dst_s_chunk,
+    dst_page_size,
+    dst_num_slots,
+    SRC_TABLE: tl.constexpr,
+    DST_TABLE: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr,  # False: the item is contiguous on both sides, skip the chunk split
+    ELEM: tl.constexpr,  # tl.int64 / int32 / int16 / uint8: the copy unit
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row_block = tl.program_id(0).to(tl.int64)
+    unit = tl.program_id(1).to(tl.int64)
+    kv = unit // layer_count
+    layer = layer_begin + unit % layer_count
+
+    # Base of this (kv, layer) on each side: a table lookup, or the affine base plus kv/layer strides.
+    if SRC_TABLE:
+        src_base = tl.load(src + kv * src_num_layers + layer).to(tl.pointer_type(ELEM))
+    else:
+        src_base = src.to(tl.pointer_type(ELEM)) + kv * src_s_kv + layer * src_s_layer
+    if DST_TABLE:
+        dst_base = tl.load(dst + kv * dst_num_layers + layer).to(tl.pointer_type(ELEM))
+    else:
+        dst_base = dst.to(tl.pointer_type(ELEM)) + kv * dst_s_kv + layer * dst_s_layer
+
+    rows = row_block * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    in_n = rows < n
+    s = tl.load(src_idx + rows * src_idx_stride, mask=in_n, other=0).to(tl.int64)
+    d = tl.load(dst_idx + rows * dst_idx_stride, mask=in_n, other=0).to(tl.int64)
+    # Out-of-range pairs are masked even for unchecked plans: never touch memory outside the pools.
+    ok = in_n & (s >= 0) & (s < src_num_slots) & (d >= 0) & (d < dst_num_slots)
+    s_row = (s // src_page_size) * src_s_page + (s % src_page_size) * src_s_in_page
+    d_row = (d // dst_page_size) * dst_s_page + (d % dst_page_size) * dst_s_in_page
+
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, item_elems, BLOCK):
+        e = start + cols  # int32: an item is far below 2**31 elements
+        if MULTI_CHUNK:
+            # Chunk c of an item sits s_chunk apart on each side; split in int32, widen before scaling.
+            c = e // chunk_elems
+            j = (e - c * chunk_elems).to(tl.int64)
+            s_col = c.to(tl.int64) * src_s_chunk + j
+            d_col = c.to(tl.int64) * dst_s_chunk + j
+        else:
+            s_col = e.to(tl.int64)
+            d_col = e.to(tl.int64)
+        mask = ok[:, None] & (e < item_elems)[None, :]
+        vals = tl.load(src_base + s_row[:, None] + s_col[None, :], mask=mask)
+        tl.store(dst_base + d_row[:, None] + d_col[None, :], vals, mask=mask)
+
+
+def _import_triton() -> Any:
+    """Import Triton (and bind ``tl`` for the kernel) or raise BackendUnavailableError saying why."""
+    global tl
+    try:
+        import triton
+        import triton.language as language
+    except Exception as exc:  # ImportError, or a broken install failing at import time
+        raise BackendUnavailableError(
+            f"the triton backend needs the triton package, which does not import: {exc!r}"
+        ) from exc
+    tl = language
+    return triton
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool) -> Any:
+    """The jitted kernel; keyed by interpreter mode because ``triton.jit`` reads it when decorating."""
+    triton = _import_triton()
+    return triton.jit(_transfer_kernel)
+
+
+# --------------------------------------------------------------------------------------------------
+# Element width and launch shape
+# --------------------------------------------------------------------------------------------------
+def _side_values(side: Side) -> list[int]:
+    """Every byte quantity of a side that an element address is built from."""
+    addrs = list(side.table) if side.is_table else [side.base]
+    return [*addrs, side.s_kv, side.s_layer, side.s_page, side.s_in_page, side.s_chunk]
+
+
+def pick_width(values: Iterable[int]) -> int:
+    """Largest of 8, 4, 2, 1 bytes dividing every value (zeros impose nothing)."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, int(v))
+    for width in (8, 4, 2):
+        if g % width == 0:  # g == 0 (all zero) divides by anything: take 8
+            return width
+    return 1
+
+
+def element_width(plan: TransferPlan) -> int:
+    """Bytes per element the kernel copies ``plan`` in: the largest of 8/4/2/1 dividing every base
+    address (affine base, every table entry), every stride of both sides and ``chunk_bytes``.
+
+    Copying in integers of this width moves any dtype bit-exactly: e.g. fp16 items of head_dim 3
+    (6 bytes) move as int16, 656-byte items as int64, odd-sized uint8 items as uint8.
+    """
+    return pick_width([*_side_values(plan.src), *_side_values(plan.dst), plan.chunk_bytes])
+
+
+def launch_shape(item_elems: int, width: int) -> tuple[int, int, int]:
+    """``(ROWS, BLOCK, num_warps)`` for items of ``item_elems`` elements of ``width`` bytes.
+
+    BLOCK covers the item (power of two, at most :data:`MAX_BLOCK`); ROWS packs items so a tile is
+    about :data:`TILE_BYTES`; num_warps gives each thread ~64 bytes per iteration (1 to 8 warps).
+    """
+    block = min(_next_power_of_2(max(item_elems, 1)), MAX_BLOCK)
+    rows = max(1, TILE_BYTES // width // block)
+    tile_bytes = rows * block * width
+    num_warps = min(8, max(1, tile_bytes // 2048))
+    return rows, block, num_warps
+
+
+def _next_power_of_2(x: int) -> int:
+    """Smallest power of two >= ``x`` (as ``triton.next_power_of_2``, without importing Triton)."""
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments per device
+# --------------------------------------------------------------------------------------------------
+class _RawPointer:
+    """A pointer argument for Triton's launcher: ``data_ptr()`` and ``dtype`` are all it reads.
+
+    Used on CUDA for affine sides (their base address, not their tensor's first element) and for
+    zero-copy pinned host memory, whose CPU tensor Triton must not see as a tensor.
+    """
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self._ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def __repr__(self) -> str:
+        return f"_RawPointer(0x{self._ptr:x}, {self.dtype})"
+
+
+def _cpu_alias(side: Side, name: str) -> torch.Tensor:
+    """A uint8 tensor on the side's storage whose ``data_ptr()`` is the side's base address.
+
+    The interpreter accepts only real tensors (it stages each argument's storage), and CPU storages
+    are used in place, so the raw addresses the kernel computes point into the caller's memory.
+    """
+    storage = side.tensors[0].untyped_storage()
+    offset = side.base - storage.data_ptr()
+    if not 0 <= offset < max(storage.nbytes(), 1):
+        raise ValueError(f"{name}: base address 0x{side.base:x} lies outside its tensor's storage")
+    return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (storage.nbytes() - offset,))
+
+
+_table_cache: OrderedDict[tuple[int, tuple[int, ...]], torch.Tensor] = OrderedDict()
+_table_lock = threading.Lock()
+
+
+def _cuda_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A CUDA int64 tensor of ``addresses``, cached so graph capture and repeated calls reuse it."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), addresses)
+    with _table_lock:
+        table = _table_cache.get(key)
+        if table is not None:
+            _table_cache.move_to_end(key)
+            return table
+    # A blocking copy from pageable memory: complete on return, so any stream may read it afterwards.
+    table = torch.tensor(addresses, dtype=torch.int64, device=device)
+    with _table_lock:
+        _table_cache[key] = table
+        while len(_table_cache) > _TABLE_CACHE_SIZE:
+            _table_cache.popitem(last=False)
+    return table
+
+
+@functools.lru_cache(maxsize=1024)
+def _device_alias(host_ptr: int) -> int:
+    """Device address of pinned host memory: the extension's ``host_device_pointer`` when it is built
+    (the alias equals the host address under UVA on Linux x86, not everywhere, so ask), else the host
+    address itself. Cached: per-layer loads ask for the same few bases every step."""
+    try:
+        fn = getattr(load_extension(), "host_device_pointer", None)
+    except BackendUnavailableError:
+        fn = None
+    return host_ptr if fn is None else int(fn(host_ptr))
+
+
+def _is_host(side: Side) -> bool:
+    return not side.is_cuda
+
+
+def _check_pinned(side: Side) -> None:
+    for t in side.tensors:
+        if not t.is_pinned():
+            raise ValueError(
+                "host: a transfer with a CUDA device pool reads/writes the host pool zero-copy, which needs "
+                "pinned memory; got a non-pinned CPU tensor (allocate it with pin_memory=True)"
+            )
+
+
+def _cuda_side_arg(side: Side, elem: torch.dtype, device: torch.device, alias: Callable[[int], int] | None) -> Any:
+    """Kernel argument for a side on a CUDA launch: a cached table, or a raw pointer to the base."""
+    if side.is_table:
+        addresses = side.table if alias is None else tuple(alias(a) for a in side.table)
+        return _cuda_table(addresses, device)
+    return _RawPointer(side.base if alias is None else alias(side.base), elem)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------------
+def run_triton(plan: TransferPlan) -> None:
+    """Perform ``plan`` with one Triton kernel launch (none when there is nothing to move).
+
+    Parameters
+    ----------
+    plan : TransferPlan
+        From :func:`hicache_kernels.ops.build_plan`. ``src``/``dst`` may be affine or table sides;
+        ``src_indices``/``dst_indices`` are 1-D integer tensors of equal length ``n`` (slot indices).
+        CPU-only plans run under the Triton interpreter; plans with a CUDA side run on that GPU with
+        any CPU side addressed zero-copy (it must be pinned).
+
+    Raises
+    ------
+    BackendUnavailableError
+        Triton does not import; CPU tensors without ``TRITON_INTERPRET=1``; CUDA tensors with it.
+    ValueError
+        A CPU host side that is not pinned in a CUDA transfer (names ``host``); index tensors of
+        different lengths or not 1-D; sides on two different GPUs.
+
+    Notes
+    -----
+    Index pairs outside either side's ``[0, num_slots)`` are skipped (nothing read or written) even
+    when ``plan.checked`` is False. Destination indices must not repeat (a repeat is a race). The
+    call is asynchronous on CUDA: it enqueues on ``plan.stream`` (or the current stream) and returns.
+
+    Examples
+    --------
+    >>> plan = build_plan("d2h", k_layers, v_layers, host, dev_idx, host_idx,
+    ...                   layout="page_first", page_size=1)  # doctest: +SKIP
+    >>> run_triton(plan)  # doctest: +SKIP
+    """
+    _import_triton()
+    src, dst = plan.src, plan.dst
+    on_cuda = src.is_cuda or dst.is_cuda
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if on_cuda and interpret:
+        raise BackendUnavailableError(
+            "TRITON_INTERPRET=1 cannot run a transfer on CUDA tensors: the interpreter stages arguments "
+            "on the host, while this kernel addresses the pools by raw device addresses; unset it"
+        )
+    if not on_cuda and not interpret:
+        raise BackendUnavailableError(
+            "the triton backend on CPU tensors needs TRITON_INTERPRET=1 (set before triton is imported)"
+        )
+
+    for name, idx in (("src_indices", plan.src_indices), ("dst_indices", plan.dst_indices)):
+        if idx.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(idx.shape)}")
+    n = plan.src_indices.numel()
+    if plan.dst_indices.numel() != n:
+        raise ValueError(f"dst_indices: expected {n} indices like src_indices, got {plan.dst_indices.numel()}")
+
+    device = None
+    if not on_cuda:
+        for name, idx in (("src_indices", plan.src_indices), ("dst_indices", plan.dst_indices)):
+            if idx.device.type != "cpu":
+                raise ValueError(f"{name}: a transfer between CPU pools needs CPU indices, got {idx.device}")
+    else:
+        devices = {s.device for s in (src, dst) if s.is_cuda}
+        if len(devices) > 1:
+            raise ValueError(f"plan: src and dst are on different GPUs ({', '.join(map(str, devices))})")
+        device = devices.pop()
+        for side in (src, dst):
+            if _is_host(side):
+                _check_pinned(side)
+
+    units = plan.num_kv * plan.layer_count
+    if n == 0 or units == 0 or plan.num_chunks == 0 or plan.chunk_bytes == 0:
+        return  # nothing to move: launch nothing (a zero-sized grid is an error on CUDA)
+    if units > MAX_UNITS:
+        raise ValueError(f"plan: {units} (kv, layer) units exceed the grid limit {MAX_UNITS}")
+
+    alias = _device_alias if on_cuda else None
+    values = [*_side_values(src), *_side_values(dst), plan.chunk_bytes]
+    if alias is not None:  # the aliases are what the GPU adds to; they keep the host's alignment under UVA
+        for side in (src, dst):
+            if _is_host(side):
+                values += [alias(a) for a in (side.table if side.is_table else (side.base,))]
+    width = pick_width(values)
+    elem = _WIDTH_DTYPES[width]
+    chunk_elems = plan.chunk_bytes // width
+    item_elems = chunk_elems * plan.num_chunks
+    rows, block, num_warps = launch_shape(item_elems, width)
+    # Chunks laid end to end on both sides are one contiguous run: skip the per-element chunk split.
+    multi_chunk = plan.num_chunks > 1 and not (src.s_chunk == dst.s_chunk == plan.chunk_bytes)
+    grid = (_cdiv(n, rows), units)
+
+    src_idx, dst_idx = plan.src_indices, plan.dst_indices
+    kernel = _kernel(interpret)
+
+    def side_scalars(side: Side) -> list[int]:
+        return [
+            side.num_layers,
+            side.s_kv // width,
+            side.s_layer // width,
+            side.s_page // width,
+            side.s_in_page // width,
+            side.s_chunk // width,
+            side.page_size,
+            side.num_slots,
+        ]
+
+    def launch(src_arg: Any, dst_arg: Any, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
+        kernel[grid](
+            src_arg,
+            dst_arg,
+            s_idx,
+            d_idx,
+            s_idx.stride(0),
+            d_idx.stride(0),
+            n,
+            plan.layer_begin,
+            plan.layer_count,
+            item_elems,
+            chunk_elems,
+            *side_scalars(src),
+            *side_scalars(dst),
+            SRC_TABLE=src.is_table,
+            DST_TABLE=dst.is_table,
+            MULTI_CHUNK=multi_chunk,
+            ELEM=_tl_elem(width),
+            ROWS=rows,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
+
+    if not on_cuda:
+        args = []
+        for side, name in ((src, "plan.src"), (dst, "plan.dst")):
+            if side.is_table:
+                args.append(torch.tensor(side.table, dtype=torch.int64))
+            else:
+                args.append(_cpu_alias(side, name))
+        launch(args[0], args[1], src_idx, dst_idx)
+        return
+
+    stream_ctx = torch.cuda.stream(plan.stream) if plan.stream is not None else contextlib.nullcontext()
+    with torch.cuda.device(device), stream_ctx:
+        src_arg = _cuda_side_arg(src, elem, device, alias if _is_host(src) else None)
+        dst_arg = _cuda_side_arg(dst, elem, device, alias if _is_host(dst) else None)
+        # CPU indices are copied on the launch stream, so the copy is ordered before the kernel.
+        s_idx = src_idx if src_idx.device == device else src_idx.to(device, non_blocking=True)
+        d_idx = dst_idx if dst_idx.device == device else dst_idx.to(device, non_blocking=True)
+        if not torch.cuda.is_current_stream_capturing():
+            # A cached table may be evicted and freed while this launch is still queued on another
+            # stream; recording the stream keeps its memory from being reused until the launch ran.
+            for arg in (src_arg, dst_arg):
+                if isinstance(arg, torch.Tensor):
+                    arg.record_stream(torch.cuda.current_stream(device))
+        launch(src_arg, dst_arg, s_idx, d_idx)
+
+
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``."""
+    return -(-a // b)
+
+
+def _tl_elem(width: int) -> Any:
+    return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}[width]

@@ -1,0 +1,286 @@
+"""Quality of the compiled transfer kernels and launcher checks, all without a GPU.
+
+- ``csrc/transfer.cu`` compiled for sm_90 with ``-Xptxas -v``: every instantiation of the kernel
+  template exists, with no stack frame and no spills (no local memory at all).
+- Its SASS: each vector width moves data with exactly its width (128-bit ``LDG``/``STG`` for 16-byte
+  kernels), with the cache operators chosen in ``transfer.cuh`` (``.NA`` no-L1-allocate loads,
+  ``.EF`` streaming stores), and every kernel issues its unrolled loads before the matching stores.
+- The extension's argument checks, which return before any CUDA call: the vector-width rule, bad
+  transfer arguments, and the copy-engine helpers' refusals.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hicache_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+NVCC = CUDA_HOME / "bin" / "nvcc"
+SIDES = ("Affine", "Table")
+VEC_BYTES = (16, 8, 4, 2, 1)
+UNROLL = 4  # kTransferUnroll in csrc/transfer.cuh: independent vectors in flight per lane
+# SASS of the data accesses per vector width: ld.global.nc.L1::no_allocate -> LDG.E.NA...CONSTANT,
+# st.global.cs -> STG.E.EF... (nvcc 13, sm_90).
+DATA_LOAD = {
+    16: "LDG.E.NA.128.CONSTANT",
+    8: "LDG.E.NA.64.CONSTANT",
+    4: "LDG.E.NA.CONSTANT",
+    2: "LDG.E.NA.U16.CONSTANT",
+    1: "LDG.E.NA.U8.CONSTANT",
+}
+DATA_STORE = {16: "STG.E.EF.128", 8: "STG.E.EF.64", 4: "STG.E.EF", 2: "STG.E.EF.U16", 1: "STG.E.EF.U8"}
+KERNEL_RE = re.compile(r"void hicache::transfer_kernel<hicache::(\w+)Side, hicache::(\w+)Side, (\d+)>")
+ALL_KERNELS = {(s, d, v) for s in SIDES for d in SIDES for v in VEC_BYTES}
+
+needs_nvcc = pytest.mark.skipif(not NVCC.exists(), reason=f"no nvcc under {CUDA_HOME}")
+needs_extension = pytest.mark.skipif(
+    not hicache_kernels.build_info()["cuda_built"], reason="the CUDA extension was not built (HICACHE_SKIP_CUDA)"
+)
+
+
+def cuobjdump() -> str:
+    found = shutil.which("cuobjdump") or (
+        str(CUDA_HOME / "bin" / "cuobjdump") if (CUDA_HOME / "bin" / "cuobjdump").exists() else None
+    )
+    if found:
+        return found
+    import triton  # its wheel ships cuobjdump
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    assert path.exists(), "no cuobjdump: install the CUDA toolkit or triton"
+    return str(path)
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    cxxfilt = shutil.which("c++filt")
+    assert cxxfilt, "c++filt (binutils) is needed to name the kernels"
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    return dict(zip(names, out.splitlines(), strict=True))
+
+
+def kernel_key(demangled: str) -> tuple[str, str, int] | None:
+    m = KERNEL_RE.search(demangled)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(ptxas -v report, SASS) of csrc/transfer.cu for sm_90, with setup.py's device flags."""
+    out = tmp_path_factory.mktemp("kernels") / "transfer.cubin"
+    cmd = [
+        str(NVCC),
+        "-O3",
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        "-lineinfo",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{CUDA_HOME / 'include'}",
+        "-arch=sm_90",
+        "-cubin",
+        "-Xptxas",
+        "-v",
+        str(ROOT / "csrc" / "transfer.cu"),
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sass = subprocess.run([cuobjdump(), "-sass", str(out)], capture_output=True, text=True, check=True).stdout
+    return proc.stdout + proc.stderr, sass
+
+
+def ptxas_properties(report: str) -> dict[tuple[str, str, int], tuple[int, int, int]]:
+    """kernel -> (stack frame, spill stores, spill loads) in bytes."""
+    found = re.findall(
+        r"Function properties for (\S+)\s+(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+        report,
+    )
+    names = demangle([f[0] for f in found])
+    props = {}
+    for name, *numbers in found:
+        key = kernel_key(names[name])
+        if key is not None:
+            props[key] = tuple(int(x) for x in numbers)
+    return props
+
+
+def sass_functions(sass: str) -> dict[tuple[str, str, int], list[tuple[int, str]]]:
+    """kernel -> [(address, opcode with modifiers)], predicates dropped."""
+    sections = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
+    names = demangle(sections[1::2])
+    funcs = {}
+    for name, body in zip(sections[1::2], sections[2::2], strict=True):
+        key = kernel_key(names[name])
+        if key is None:
+            continue
+        funcs[key] = [
+            (int(addr, 16), op)
+            for addr, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", body)
+        ]
+    return funcs
+
+
+@needs_nvcc
+def test_every_instantiation_has_no_local_memory(compiled: tuple[str, str]) -> None:
+    props = ptxas_properties(compiled[0])
+    assert set(props) == ALL_KERNELS
+    bad = {k: v for k, v in props.items() if v != (0, 0, 0)}
+    assert not bad, f"(stack frame, spill stores, spill loads) bytes not all zero: {bad}"
+
+
+@needs_nvcc
+def test_sass_has_no_local_memory_access(compiled: tuple[str, str]) -> None:
+    funcs = sass_functions(compiled[1])
+    assert set(funcs) == ALL_KERNELS
+    local = {k: sorted({op for _, op in ins if op.startswith(("LDL", "STL"))}) for k, ins in funcs.items()}
+    assert not any(local.values()), local
+
+
+@needs_nvcc
+@pytest.mark.parametrize("vec", VEC_BYTES)
+@pytest.mark.parametrize(("src", "dst"), [(s, d) for s in SIDES for d in SIDES])
+def test_data_accesses_use_the_vector_width(compiled: tuple[str, str], src: str, dst: str, vec: int) -> None:
+    ins = sass_functions(compiled[1])[(src, dst, vec)]
+    # Data loads are the only .NA (no L1 allocate) loads; index and table loads are plain 64-bit.
+    loads = [(a, op) for a, op in ins if op.startswith("LDG") and ".NA" in op]
+    stores = [(a, op) for a, op in ins if op.startswith("STG")]
+    assert [op for _, op in loads] == [DATA_LOAD[vec]] * UNROLL
+    assert [op for _, op in stores] == [DATA_STORE[vec]] * UNROLL
+    # All loads of a round are issued before its first store: UNROLL vectors in flight per lane.
+    assert max(a for a, _ in loads) < min(a for a, _ in stores)
+
+
+@needs_nvcc
+def test_host_direction_kernels_move_128_bit_vectors(compiled: tuple[str, str]) -> None:
+    funcs = sass_functions(compiled[1])
+    for key in [("Table", "Affine", 16), ("Affine", "Table", 16)]:  # backup (d2h) and load (h2d)
+        ops = {op for _, op in funcs[key]}
+        assert "LDG.E.NA.128.CONSTANT" in ops and "STG.E.EF.128" in ops, (key, sorted(ops))
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    ("align", "expected"),
+    [(0, 16), (1, 1), (2, 2), (3, 1), (4, 4), (6, 2), (8, 8), (12, 4), (16, 16), (48, 16), (656, 16), (1 << 40, 16)],
+)
+def test_vector_width_rule(align: int, expected: int) -> None:
+    from hicache_kernels._ext import load_extension
+
+    assert load_extension().vector_bytes(align) == expected
+
+
+@needs_extension
+def test_vector_width_rejects_negative_alignment() -> None:
+    from hicache_kernels._ext import load_extension
+
+    with pytest.raises(ValueError, match="align_bytes"):
+        load_extension().vector_bytes(-16)
+
+
+def _side(base: int = 1 << 20, num_layers: int = 4, page_size: int = 1, num_slots: int = 64) -> tuple[int, ...]:
+    item = 256
+    return (base, num_layers, num_layers * num_slots * item, num_slots * item, item, 0, 0, page_size, num_slots)
+
+
+def _transfer_args(**over: object) -> dict[str, object]:
+    args: dict[str, object] = dict(
+        src_desc=_side(),
+        src_table=False,
+        dst_desc=_side(base=1 << 24),
+        dst_table=False,
+        src_idx_ptr=1 << 12,
+        dst_idx_ptr=1 << 13,
+        n=8,
+        layer_begin=0,
+        layer_count=4,
+        num_kv=2,
+        num_chunks=1,
+        chunk_bytes=256,
+        align_bytes=0,
+        num_blocks=4,
+        warps_per_block=32,
+        oob_count_ptr=0,
+        stream=0,
+    )
+    args.update(over)
+    return args
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"n": -1},
+        {"layer_count": 0},
+        {"layer_begin": 3, "layer_count": 2},  # past num_layers
+        {"num_kv": 0},
+        {"num_chunks": 0},
+        {"chunk_bytes": 0},
+        {"align_bytes": -8},
+        {"num_blocks": 0},
+        {"warps_per_block": 0},
+        {"warps_per_block": 33},
+        {"src_desc": _side(base=0)},
+        {"dst_desc": _side(page_size=0)},
+        {"dst_desc": _side(num_slots=-1)},
+        {"src_desc": _side(base=(1 << 20) + 4), "src_table": True},  # a table must be 8-byte aligned
+        {"src_idx_ptr": 0},
+    ],
+)
+def test_transfer_rejects_bad_arguments(bad: dict[str, object]) -> None:
+    from hicache_kernels._ext import load_extension
+
+    with pytest.raises(RuntimeError, match="launch_transfer failed: cudaErrorInvalidValue"):
+        load_extension().transfer(**_transfer_args(**bad))
+
+
+@needs_extension
+def test_transfer_of_nothing_is_a_no_op() -> None:
+    from hicache_kernels._ext import load_extension
+
+    # Returns before any CUDA call, so it succeeds even on a machine without a GPU.
+    assert load_extension().transfer(**_transfer_args(n=0, src_idx_ptr=0, dst_idx_ptr=0)) is None
+
+
+@needs_extension
+def test_transfer_desc_must_have_nine_fields() -> None:
+    from hicache_kernels._ext import load_extension
+
+    with pytest.raises(ValueError, match="dst_desc: expected 9 ints"):
+        load_extension().transfer(**_transfer_args(dst_desc=_side()[:8]))
+
+
+@needs_extension
+def test_memcpy_batch_refuses_legacy_stream_and_bad_direction() -> None:
+    from hicache_kernels._ext import load_extension
+
+    C = load_extension()
+    arr = np.zeros(1, dtype=np.int64)
+    ptr = arr.ctypes.data
+    for legacy in (0, 1):  # the NULL stream and cudaStreamLegacy
+        code = C.memcpy_batch(ptr, ptr, ptr, 1, 0, legacy)
+        assert C.error_name(code) == "cudaErrorInvalidResourceHandle"
+    assert C.error_name(C.memcpy_batch(ptr, ptr, ptr, 1, 2, 2)) == "cudaErrorInvalidValue"
+    assert C.memcpy_batch(ptr, ptr, ptr, 0, 1, 2) == 0  # nothing to copy (stream = cudaStreamPerThread)
+    assert C.error_name(0) == "cudaSuccess"
+
+
+@needs_extension
+def test_memcpy_fragments_rejects_negative_sizes() -> None:
+    from hicache_kernels._ext import load_extension
+
+    C = load_extension()
+    one = np.ones(1, dtype=np.int64)
+    neg = -one
+    C.memcpy_fragments(one.ctypes.data, one.ctypes.data, one.ctypes.data, one.ctypes.data, 0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="memcpy_fragments failed: cudaErrorInvalidValue"):
+        C.memcpy_fragments(*[one.ctypes.data] * 4, neg.ctypes.data, one.ctypes.data, 1, 0)

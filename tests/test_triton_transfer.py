@@ -1,0 +1,428 @@
+"""Triton backend (hicache_kernels.triton_transfer) against the pure-torch reference.
+
+CPU tests run the kernel under Triton's interpreter (conftest sets TRITON_INTERPRET=1), so pools and
+grids are small. Data is random bytes (never zeros) and every destination starts as a poison pattern,
+so a slot written by mistake or left unwritten shows; comparisons are bit-exact on uint8 views.
+Tests marked ``gpu`` run the same kernel compiled on a CUDA device with a pinned host pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hicache_kernels import BackendUnavailableError, layouts, ops
+from hicache_kernels import triton_transfer as tt
+from hicache_kernels.reference import reference_transfer
+
+POISON = 0xA5
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8)
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str
+    mla: bool
+    dtype: torch.dtype
+    page_size: int
+    head_num: int
+    head_dim: int
+    layer_id: int | None  # None: all layers
+    direction: str
+    num_layers: int = 3
+    dev_slots: int = 40
+    host_slots: int = 48  # a multiple of 16, so every page size here fits
+    n: int = 11
+
+    def __str__(self) -> str:
+        kind = "mla" if self.mla else "mha"
+        layers = "all" if self.layer_id is None else f"l{self.layer_id}"
+        dt = str(self.dtype).removeprefix("torch.")
+        return f"{self.layout}-{kind}-{dt}-p{self.page_size}-h{self.head_num}d{self.head_dim}-{layers}-{self.direction}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _filled(shape: tuple[int, ...], dtype: torch.dtype, *, random: bool, device: str = "cpu") -> torch.Tensor:
+    """Random bytes (or the poison byte) viewed as ``dtype``: every bit pattern, NaNs included."""
+    raw_shape = (*shape[:-1], shape[-1] * dtype.itemsize)
+    if random:
+        raw = torch.randint(0, 256, raw_shape, dtype=torch.uint8)
+    else:
+        raw = torch.full(raw_shape, POISON, dtype=torch.uint8)
+    raw = raw.to(device)
+    return raw if dtype == torch.uint8 else raw.view(dtype)
+
+
+@dataclass
+class Pools:
+    k: list[torch.Tensor]
+    v: list[torch.Tensor] | None
+    host: torch.Tensor
+
+    def all(self) -> list[torch.Tensor]:
+        return [*self.k, *(self.v or []), self.host]
+
+    def clone(self) -> Pools:
+        return Pools(
+            [t.clone() for t in self.k], None if self.v is None else [t.clone() for t in self.v], self.host.clone()
+        )
+
+
+def _pools(case: Case, device: str = "cpu") -> Pools:
+    """The source side random, the destination side poisoned."""
+    d2h = case.direction == "d2h"
+    heads = 1 if case.mla else case.head_num
+    dev_shape = (case.dev_slots, heads, case.head_dim)
+    k = [_filled(dev_shape, case.dtype, random=d2h, device=device) for _ in range(case.num_layers)]
+    v = (
+        None
+        if case.mla
+        else [_filled(dev_shape, case.dtype, random=d2h, device=device) for _ in range(case.num_layers)]
+    )
+    shape = layouts.host_shape(
+        case.layout,
+        mla=case.mla,
+        num_layers=case.num_layers,
+        num_slots=case.host_slots,
+        page_size=case.page_size,
+        head_num=heads,
+        head_dim=case.head_dim,
+    )
+    host = _filled(shape, case.dtype, random=not d2h)
+    if device != "cpu":
+        host = host.pin_memory()
+    return Pools(k, v, host)
+
+
+def _indices(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct device and host slots (a repeated destination would be a race)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.randperm(case.dev_slots, generator=g)[: case.n]
+    host = torch.randperm(case.host_slots, generator=g)[: case.n]
+    return dev, host
+
+
+def _expected(case: Case, pools: Pools, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> Pools:
+    want = pools.clone()
+    layers = range(case.num_layers) if case.layer_id is None else [case.layer_id]
+    reference_transfer(
+        direction=case.direction,
+        device_k=want.k,
+        device_v=want.v,
+        host=want.host,
+        device_indices=dev_idx,
+        host_indices=host_idx,
+        layout=case.layout,
+        page_size=case.page_size,
+        layers=layers,
+    )
+    return want
+
+
+def _plan(case: Case, pools: Pools, dev_idx: torch.Tensor, host_idx: torch.Tensor, **kw):
+    return ops.build_plan(
+        case.direction,
+        pools.k,
+        pools.v,
+        pools.host,
+        dev_idx,
+        host_idx,
+        layout=case.layout,
+        page_size=case.page_size,
+        layer_id=case.layer_id,
+        **kw,
+    )
+
+
+def _assert_pools_equal(got: Pools, want: Pools) -> None:
+    names = [f"k[{i}]" for i in range(len(got.k))] + [f"v[{i}]" for i in range(len(got.v or []))] + ["host"]
+    for name, a, b in zip(names, got.all(), want.all(), strict=True):
+        a, b = _bits(a).cpu(), _bits(b).cpu()
+        if not torch.equal(a, b):
+            bad = (a != b).nonzero()
+            raise AssertionError(f"{name}: {bad.shape[0]} of {a.numel()} bytes differ, first at {bad[0].tolist()}")
+
+
+def _check(case: Case, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    pools = _pools(case)
+    dev_idx, host_idx = _indices(case, seed)
+    want = _expected(case, pools, dev_idx, host_idx)
+    tt.run_triton(_plan(case, pools, dev_idx, host_idx))
+    _assert_pools_equal(pools, want)
+
+
+def _matrix() -> list[Case]:
+    """Every layout x MHA/MLA x page size {1, 16} x direction x one/all layers; the dtype rotates so each
+    (layout, kind) meets several dtypes without running the full product."""
+    cases = []
+    combos = [(lay, mla) for lay in layouts.LAYOUTS for mla in (False, True) if not mla or lay in layouts.MLA_LAYOUTS]
+    for i, ((layout, mla), page, direction, layer_id) in enumerate(
+        itertools.product(combos, (1, 16), ("d2h", "h2d"), (None, 1))
+    ):
+        dtype = DTYPES[i % len(DTYPES)]
+        heads, dim = (1, 16) if mla else (2, 8)
+        cases.append(Case(layout, mla, dtype, page, heads, dim, layer_id, direction))
+    return cases
+
+
+def _odd_items() -> list[Case]:
+    """Items whose size forces a narrow copy unit, and model-sized odd items (656-byte fp8 MLA)."""
+    cases = []
+    for layout, direction in itertools.product(layouts.LAYOUTS, ("d2h", "h2d")):
+        # head_dim 3 fp16: 6-byte heads, 18-byte items -> int16 copies; page_head splits them in 3 chunks
+        cases.append(Case(layout, False, torch.float16, 16, 3, 3, None, direction))
+    for layout, direction in itertools.product(("layer_first", "page_head"), ("d2h", "h2d")):
+        cases.append(Case(layout, False, torch.uint8, 16, 3, 5, 2, direction))  # 5-byte heads: uint8 copies
+    for layout, direction in itertools.product(layouts.MLA_LAYOUTS, ("d2h", "h2d")):
+        dtype = torch.float8_e4m3fn if direction == "d2h" else torch.uint8
+        cases.append(Case(layout, True, dtype, 16, 1, 656, None, direction))  # 656-byte latent items
+    return cases
+
+
+@pytest.mark.parametrize("case", _matrix(), ids=str)
+def test_matches_reference(case: Case) -> None:
+    _check(case)
+
+
+@pytest.mark.parametrize("case", _odd_items(), ids=str)
+def test_odd_item_sizes(case: Case) -> None:
+    _check(case, seed=1)
+
+
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_multiple_row_blocks_and_block_loop(monkeypatch: pytest.MonkeyPatch, layout: str, direction: str) -> None:
+    """Tiny tile and block caps: several row programs, and a block loop that crosses chunk boundaries."""
+    monkeypatch.setattr(tt, "MAX_BLOCK", 4)
+    monkeypatch.setattr(tt, "TILE_BYTES", 16)
+    case = Case(layout, False, torch.float16, 16, 3, 3, None, direction, num_layers=2, n=7)
+    assert tt.launch_shape(9, 2)[:2] == (2, 4)  # 9-element items: 3 iterations, 2 rows per program
+    _check(case, seed=2)
+
+
+def test_item_longer_than_max_block() -> None:
+    # 4097 uint8 bytes: width 1, so the block loop runs twice; 2 rows per program, 3 row programs
+    case = Case("page_first", True, torch.uint8, 1, 1, 4097, None, "d2h", num_layers=2, dev_slots=8, host_slots=16, n=5)
+    assert tt.launch_shape(4097, 1)[:2] == (2, tt.MAX_BLOCK)
+    _check(case, seed=3)
+
+
+def test_stacked_device_pool() -> None:
+    case = Case("page_first_direct", False, torch.bfloat16, 16, 2, 8, None, "h2d")
+    torch.manual_seed(4)
+    pools = _pools(case)
+    k, v = torch.stack(pools.k), torch.stack(pools.v)
+    pools = Pools(list(k.unbind(0)), list(v.unbind(0)), pools.host)  # views into the stacked tensors
+    dev_idx, host_idx = _indices(case, 4)
+    want = _expected(case, pools, dev_idx, host_idx)
+    plan = ops.build_plan(
+        "h2d", k, v, pools.host, dev_idx, host_idx, layout=case.layout, page_size=case.page_size, layer_id=None
+    )
+    tt.run_triton(plan)
+    _assert_pools_equal(pools, want)
+
+
+# -- element width ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "width"),
+    [([], 8), ([0], 8), ([16, 0, 8], 8), ([656], 8), ([12, 8], 4), ([6], 2), ([4096, 18], 2), ([5], 1), ([8, 3], 1)],
+)
+def test_pick_width(values: list[int], width: int) -> None:
+    assert tt.pick_width(values) == width
+
+
+@pytest.mark.parametrize(
+    ("layout", "mla", "dtype", "heads", "dim", "width"),
+    [
+        ("page_first", False, torch.bfloat16, 2, 8, 8),  # 32-byte items
+        ("page_first", False, torch.float16, 2, 3, 4),  # 12-byte items
+        ("page_head", False, torch.float16, 3, 3, 2),  # 6-byte chunks
+        ("layer_first", False, torch.uint8, 1, 5, 1),  # 5-byte items
+        ("page_first_direct", False, torch.float32, 1, 3, 4),  # 12-byte items
+        ("page_first", True, torch.float8_e4m3fn, 1, 656, 8),  # 656 = 8 * 82
+        ("layer_first", True, torch.uint8, 1, 658, 2),  # 658 = 2 * 329
+    ],
+)
+def test_element_width_of_plans(layout: str, mla: bool, dtype: torch.dtype, heads: int, dim: int, width: int) -> None:
+    case = Case(layout, mla, dtype, 16, heads, dim, None, "d2h")
+    pools = _pools(case)
+    dev_idx, host_idx = _indices(case, 0)
+    assert tt.element_width(_plan(case, pools, dev_idx, host_idx)) == width
+
+
+def test_misaligned_table_entry_narrows_width_and_still_copies() -> None:
+    """A layer at an odd address forces byte copies; the transfer stays exact."""
+    case = Case("page_first", False, torch.uint8, 1, 2, 8, None, "d2h", num_layers=2)
+    torch.manual_seed(5)
+    pools = _pools(case)
+    n_bytes = case.dev_slots * case.head_num * case.head_dim
+    buf = torch.randint(0, 256, (n_bytes + 1,), dtype=torch.uint8)
+    pools.k[1] = buf[1:].view(case.dev_slots, case.head_num, case.head_dim)  # data_ptr is odd
+    dev_idx, host_idx = _indices(case, 5)
+    want = _expected(case, pools, dev_idx, host_idx)
+    plan = _plan(case, pools, dev_idx, host_idx)
+    assert tt.element_width(plan) == 1
+    tt.run_triton(plan)
+    _assert_pools_equal(pools, want)
+
+
+# -- guards -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_head"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_out_of_range_pairs_write_nothing_when_unchecked(layout: str, direction: str) -> None:
+    case = Case(layout, False, torch.float16, 16, 2, 8, None, direction, n=10)
+    torch.manual_seed(6)
+    pools = _pools(case)
+    dev_idx, host_idx = _indices(case, 6)
+    big = 2**40
+    dev_idx[[1, 4, 7]] = torch.tensor([-1, case.dev_slots, big])
+    host_idx[[2, 5, 8]] = torch.tensor([case.host_slots, -big, -(case.page_size + 1)])
+    valid = (dev_idx >= 0) & (dev_idx < case.dev_slots) & (host_idx >= 0) & (host_idx < case.host_slots)
+    assert int(valid.sum()) == 4
+    want = _expected(case, pools, dev_idx[valid], host_idx[valid])
+    plan = _plan(case, pools, dev_idx, host_idx, check_indices=False)
+    assert plan.checked is False
+    tt.run_triton(plan)
+    _assert_pools_equal(pools, want)
+
+
+def test_empty_transfer_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = Case("page_head", False, torch.float16, 16, 2, 8, None, "h2d", n=0)
+    pools = _pools(case)
+    before = pools.clone()
+    empty = torch.empty(0, dtype=torch.int64)
+    plan = _plan(case, pools, empty, empty)
+
+    def no_launch(interpret: bool):
+        raise AssertionError("an empty transfer must not launch a kernel")
+
+    monkeypatch.setattr(tt, "_kernel", no_launch)
+    tt.run_triton(plan)
+    _assert_pools_equal(pools, before)
+
+
+def _small_plan():
+    case = Case("layer_first", True, torch.float16, 1, 1, 8, None, "d2h", num_layers=1, n=2)
+    pools = _pools(case)
+    dev_idx, host_idx = _indices(case, 0)
+    return _plan(case, pools, dev_idx, host_idx)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _small_plan()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        tt.run_triton(plan)
+
+
+def test_missing_triton_raises_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _small_plan()
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    with pytest.raises(BackendUnavailableError, match="triton"):
+        tt.run_triton(plan)
+
+
+def test_mismatched_index_lengths_raise() -> None:
+    plan = _small_plan()
+    bad = dataclasses.replace(plan, dst_indices=plan.dst_indices[:1])
+    with pytest.raises(ValueError, match="dst_indices"):
+        tt.run_triton(bad)
+
+
+# -- GPU (compiled kernel, zero-copy pinned host pool) --------------------------------------------------
+
+needs_compiled = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1",
+    reason="compiled Triton on CUDA: needs TRITON_INTERPRET unset (conftest unsets it when a GPU is visible)",
+)
+
+
+@pytest.mark.gpu
+@needs_compiled
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(
+            "page_first",
+            False,
+            torch.bfloat16,
+            1,
+            8,
+            128,
+            None,
+            "d2h",
+            num_layers=4,
+            dev_slots=256,
+            host_slots=512,
+            n=100,
+        ),
+        Case(
+            "page_head", False, torch.float16, 16, 8, 128, 2, "h2d", num_layers=4, dev_slots=256, host_slots=512, n=100
+        ),
+        Case(
+            "page_first_direct", True, torch.float8_e4m3fn, 16, 1, 656, None, "h2d", dev_slots=256, host_slots=512, n=64
+        ),
+        Case("layer_first", False, torch.float16, 16, 3, 3, None, "d2h", dev_slots=256, host_slots=512, n=64),
+    ],
+    ids=str,
+)
+def test_gpu_zero_copy_matches_reference(case: Case) -> None:
+    torch.manual_seed(7)
+    pools = _pools(case, device="cuda")
+    dev_idx, host_idx = _indices(case, 7)
+    cpu = Pools([t.cpu() for t in pools.k], None if pools.v is None else [t.cpu() for t in pools.v], pools.host.clone())
+    want = _expected(case, cpu, dev_idx, host_idx)
+    stream = torch.cuda.Stream()
+    plan = _plan(case, pools, dev_idx.cuda(), host_idx.cuda(), check_indices=False, stream=stream)
+    tt.run_triton(plan)
+    stream.synchronize()
+    _assert_pools_equal(pools, want)
+
+
+@pytest.mark.gpu
+@needs_compiled
+def test_gpu_rejects_pageable_host() -> None:
+    case = Case("page_first", False, torch.float16, 1, 2, 8, None, "d2h")
+    pools = _pools(case, device="cuda")
+    pools.host = pools.host.clone()  # clone of a pinned tensor is pageable
+    assert not pools.host.is_pinned()
+    dev_idx, host_idx = _indices(case, 0)
+    with pytest.raises(ValueError, match="host"):
+        tt.run_triton(_plan(case, pools, dev_idx.cuda(), host_idx.cuda()))
+
+
+@pytest.mark.gpu
+@needs_compiled
+def test_gpu_graph_capture_replays_the_transfer() -> None:
+    case = Case("page_first", False, torch.bfloat16, 1, 2, 64, 1, "h2d", dev_slots=64, host_slots=64, n=16)
+    torch.manual_seed(8)
+    pools = _pools(case, device="cuda")
+    dev_idx, host_idx = (t.cuda() for t in _indices(case, 8))
+    plan = _plan(case, pools, dev_idx, host_idx, check_indices=False)
+    tt.run_triton(plan)  # warm-up: compiles the kernel and caches the device table
+    torch.cuda.synchronize()
+    for t in pools.k + pools.v:
+        _bits(t).fill_(POISON)
+    cpu = Pools([t.cpu() for t in pools.k], [t.cpu() for t in pools.v], pools.host.clone())
+    want = _expected(case, cpu, dev_idx.cpu(), host_idx.cpu())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tt.run_triton(plan)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_pools_equal(pools, want)
