@@ -184,8 +184,8 @@ class KernelBackend(IOBackend):
             raise ValueError(f"warps_per_block: expected an int in [1, 32], got {warps_per_block!r}")
         self.num_blocks = num_blocks
         self.warps_per_block = warps_per_block
+        # Keyed by the addresses themselves, which are also the table's content: never stale.
         self._tables: dict[tuple, torch.Tensor] = {}
-        self._host_ptrs: dict[int, int] = {}
 
     def unavailable(self, plan: TransferPlan) -> str | None:
         try:
@@ -203,14 +203,11 @@ class KernelBackend(IOBackend):
             self._tables[key] = t
         return t
 
-    def _host_base(self, side: Side) -> int:
-        ptr = self._host_ptrs.get(side.base)
-        if ptr is None:
-            # The device alias of pinned memory equals its host address under UVA on Linux x86, but not
-            # everywhere (ROCm, WSL2): always ask.
-            ptr = load_extension().host_device_pointer(side.base)
-            self._host_ptrs[side.base] = ptr
-        return ptr
+    @staticmethod
+    def _host_base(side: Side) -> int:
+        # The device alias of pinned memory equals its host address under UVA on Linux x86, but not
+        # everywhere (ROCm, WSL2): always ask. Not cached by address, which a new buffer may reuse.
+        return load_extension().host_device_pointer(side.base)
 
     def _desc(self, side: Side) -> tuple[tuple[int, ...], int]:
         desc = list(side.desc())

@@ -280,11 +280,11 @@ def _cuda_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tenso
     return table
 
 
-@functools.lru_cache(maxsize=1024)
 def _device_alias(host_ptr: int) -> int:
     """Device address of pinned host memory: the extension's ``host_device_pointer`` when it is built
     (the alias equals the host address under UVA on Linux x86, not everywhere, so ask), else the host
-    address itself. Cached: per-layer loads ask for the same few bases every step."""
+    address itself. Not cached by address: a freed pinned buffer's address can come back as another
+    allocation's, and the query costs well under a microsecond."""
     try:
         fn = getattr(load_extension(), "host_device_pointer", None)
     except BackendUnavailableError:

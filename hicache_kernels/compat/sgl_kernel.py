@@ -12,8 +12,8 @@ Differences, all in the direction of safety:
 - Indices may be on the CPU or the GPU (copied over when needed).
 - With tensors (not pointer tables) on both sides every access is bounds-checked in the kernel: an
   out-of-range index is skipped. Pointer tables carry no sizes, so there (as in sgl-kernel) the caller
-  is responsible for the indices. Pointer tables are read back to the host once per table tensor
-  (keyed by its address) and cached: build them once, as SGLang does, and do not rewrite them.
+  is responsible for the indices. Pointer tables are read back to the host once per table tensor (one
+  sync for a CUDA table) and cached while that tensor lives and is not modified in place.
 
 The backend defaults to ``kernel``; :func:`use_backend` selects another (``triton`` runs the same
 transfers on CPU tensors under the Triton interpreter, which is how they are tested without a GPU).
@@ -21,6 +21,7 @@ transfers on CPU tensors under the Triton interpreter, which is how they are tes
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from ..plan import Side, TransferPlan
 _NO_BOUND = 1 << 62  # pointer tables carry no pool sizes
 _backend_name = "kernel"
 _kernel_backends: dict[tuple[int, int], KernelBackend] = {}
-_table_cache: dict[tuple[str, int, int], tuple[int, ...]] = {}
+_table_cache: dict[int, tuple[weakref.ref, tuple[int, int], tuple[int, ...]]] = {}
 
 
 def use_backend(name: str) -> None:
@@ -59,10 +60,16 @@ def _table_values(t: torch.Tensor, name: str, num_layers: int) -> tuple[int, ...
         raise TypeError(f"{name}: expected an int64 tensor of layer addresses, got {getattr(t, 'dtype', type(t))}")
     if t.numel() < num_layers:
         raise ValueError(f"{name}: expected {num_layers} layer addresses, got {t.numel()}")
-    key = (str(t.device), t.data_ptr(), num_layers)
-    if key not in _table_cache:
-        _table_cache[key] = tuple(int(x) for x in t[:num_layers].view(torch.int64).tolist())
-    return _table_cache[key]
+    # Cached per tensor object and its in-place version counter, never per address: a freed table's
+    # address is soon reused by a different one.
+    entry = _table_cache.get(id(t))
+    if entry is not None and entry[0]() is t and entry[1] == (t._version, num_layers):
+        return entry[2]
+    values = tuple(int(x) for x in t[:num_layers].view(torch.int64).tolist())  # one sync for a CUDA table
+    for key in [k for k, e in _table_cache.items() if e[0]() is None]:
+        del _table_cache[key]
+    _table_cache[id(t)] = (weakref.ref(t), (t._version, num_layers), values)
+    return values
 
 
 def _side(
@@ -83,8 +90,16 @@ def _side(
     )  # fmt: skip
 
 
+def _check_sizes(item_size: int, layout_dim: int | None = None, head_num: int = 1) -> None:
+    if not isinstance(item_size, int) or item_size <= 0 or item_size % head_num:
+        raise ValueError(f"item_size: expected a positive byte count divisible by head_num {head_num}, got {item_size}")
+    if layout_dim is not None and (not isinstance(layout_dim, int) or layout_dim <= 0 or layout_dim % item_size):
+        raise ValueError(f"layout_dim: expected a positive multiple of item_size {item_size} bytes, got {layout_dim}")
+
+
 def _lf(tensors: list[torch.Tensor], item_size: int, num_layers: int, head_bytes: int = 0) -> Side:
     """One layer-first tensor per kv, used for every layer id (the per-layer functions' device side)."""
+    _check_sizes(item_size)
     return _side(
         [[t.data_ptr()] * num_layers for t in tensors], tuple(tensors), item_size,
         min(_nbytes(t) for t in tensors) // item_size, s_chunk=head_bytes,
@@ -93,6 +108,7 @@ def _lf(tensors: list[torch.Tensor], item_size: int, num_layers: int, head_bytes
 
 def _pf(tensors: list[torch.Tensor], item_size: int, layout_dim: int) -> Side:
     """Page-first buffers ``[N, L, item]`` per kv: layer ``l`` starts ``l * item_size`` into a slot."""
+    _check_sizes(item_size, layout_dim)
     num_layers = layout_dim // item_size
     bases = [[t.data_ptr() + layer * item_size for layer in range(num_layers)] for t in tensors]
     return _side(bases, tuple(tensors), layout_dim, min(_nbytes(t) for t in tensors) // layout_dim)
@@ -100,6 +116,7 @@ def _pf(tensors: list[torch.Tensor], item_size: int, layout_dim: int) -> Side:
 
 def _ph(tensors: list[torch.Tensor], item_size: int, layout_dim: int, page_size: int, head_num: int) -> Side:
     """Page-head buffers ``[P, H, page, L, D]`` per kv; chunk ``c`` is head ``c``."""
+    _check_sizes(item_size, layout_dim, head_num)
     hb = item_size // head_num
     num_layers = layout_dim // item_size
     bases = [[t.data_ptr() + layer * hb for layer in range(num_layers)] for t in tensors]
@@ -110,6 +127,7 @@ def _ph(tensors: list[torch.Tensor], item_size: int, layout_dim: int, page_size:
 
 
 def _tables(tables: list[torch.Tensor], names: list[str], num_layers: int, item_size: int, head_bytes: int = 0):
+    _check_sizes(item_size)
     bases = [list(_table_values(t, n, num_layers)) for t, n in zip(tables, names, strict=True)]
     return _side(bases, tuple(tables), item_size, _NO_BOUND, s_chunk=head_bytes)
 
@@ -134,8 +152,7 @@ def _run(
         raise ValueError(
             f"dst_indices: expected {src_indices.numel()} indices like src_indices, got {dst_indices.numel()}"
         )
-    if not isinstance(item_size, int) or item_size <= 0 or item_size % head_num:
-        raise ValueError(f"item_size: expected a positive byte count divisible by head_num {head_num}, got {item_size}")
+    _check_sizes(item_size, None, head_num)
     num_kv = len(src.table) // src.num_layers
     # Backends take the stream and device from the "device side": the destination unless it is host
     # memory, then the source.
