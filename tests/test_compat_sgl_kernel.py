@@ -15,13 +15,15 @@ from hicache_kernels.compat import sgl_kernel as sk
 from hicache_kernels.reference import reference_transfer
 
 L, N_DEV, N_HOST, H, D, PAGE = 3, 40, 16, 2, 6, 4
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"  # device pools; host pools are pinned CPU tensors on a GPU machine
 DT = torch.float16
 ITEM = H * D * DT.itemsize  # 24 bytes: not a multiple of 8, which sgl-kernel itself would refuse
 
 
 @pytest.fixture(autouse=True)
 def triton_on_cpu():
-    if not torch.cuda.is_available():
+    if not CUDA:
         sk.use_backend("triton")
     yield
     sk.use_backend("kernel")
@@ -34,20 +36,20 @@ def gen(seed=0):
 def device_layers(mla=False, fill="random", seed=0):
     h = 1 if mla else H
     out = [torch.empty(N_DEV, h, D, dtype=DT) for _ in range(L)]
-    for t in out:
-        random_bytes_(t, gen(seed + t.data_ptr() % 97)) if fill == "random" else poison_(t)
-    return out
+    for i, t in enumerate(out):
+        random_bytes_(t, gen(seed * 10 + i)) if fill == "random" else poison_(t)
+    return [t.to(DEV) for t in out]
 
 
 def host_pool(layout, mla=False, fill="random"):
     h = 1 if mla else H
     shape = layouts.host_shape(layout, mla=mla, num_layers=L, num_slots=N_HOST, page_size=PAGE, head_num=h, head_dim=D)
-    t = torch.empty(shape, dtype=DT)
+    t = torch.empty(shape, dtype=DT, pin_memory=CUDA)
     return random_bytes_(t, gen(7)) if fill == "random" else poison_(t)
 
 
 def table(layers):
-    return torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    return torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64, device=DEV)
 
 
 def idx(seed=1, n=6):
