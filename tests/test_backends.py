@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
-from kvdata import make_indices, make_pools
 
 from hicache_kernels import backends, ops
 from hicache_kernels.backends import AutoBackend, BatchBackend, KernelBackend, get_backend
+
+from kvdata import make_indices, make_pools
 
 
 def plan_for(layout="page_first", page_size=1, mla=False, direction="d2h"):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvdata import poison_, random_bytes_, same_bytes
 
 from hicache_kernels import layouts
 from hicache_kernels.compat import sgl_kernel as sk
 from hicache_kernels.reference import reference_transfer
+
+from kvdata import poison_, random_bytes_, same_bytes
 
 L, N_DEV, N_HOST, H, D, PAGE = 3, 40, 16, 2, 6, 4
 CUDA = torch.cuda.is_available()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvdata import expected_after, make_indices, make_pools
 
 from hicache_kernels import ops
+
+from kvdata import expected_after, make_indices, make_pools
 
 
 def op_args(pools, d_idx, h_idx, layer_id=-1):

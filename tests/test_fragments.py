@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvdata import make_indices, make_pools
 
 from hicache_kernels import ops
 from hicache_kernels.fragments import Fragments, find_runs, plan_fragments, split_rows
+
+from kvdata import make_indices, make_pools
 
 
 def runs(src, dst, sp=1, dp=1):

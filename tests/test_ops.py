@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvdata import expected_after, make_indices, make_pools, same_bytes
 
 from hicache_kernels import layouts, ops
+
+from kvdata import expected_after, make_indices, make_pools, same_bytes
 
 LAYOUT_KINDS = [(layout, False) for layout in layouts.LAYOUTS] + [(layout, True) for layout in layouts.MLA_LAYOUTS]
 LAYOUT_IDS = [f"{layout}-{'mla' if mla else 'mha'}" for layout, mla in LAYOUT_KINDS]

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvdata import expected_after, make_indices, make_pools
 
 from hicache_kernels import layouts, ops
 from hicache_kernels.backends import AutoBackend, BatchBackend, get_backend
+
+from kvdata import expected_after, make_indices, make_pools
 
 pytestmark = pytest.mark.gpu
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvdata import make_pools
 
 from hicache_kernels import BackendUnavailableError, ops
+
+from kvdata import make_pools
 
 
 def base_args(direction="d2h", layout="page_first", mla=False, page_size=4):

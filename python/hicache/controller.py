@@ -1,0 +1,377 @@
+"""HiCacheController: moves KV between the device pool and the host pool on an io-backend, off the
+scheduler's thread, and reports completions back to the tree.
+
+- Writes (backups) and loads (load-backs) go through two queues, each served by a worker thread with
+  its own CUDA stream on a GPU. A finished copy is acknowledged on an ack queue; the tree processes
+  acks when it polls (:meth:`HiCacheController.finished_writes` / ``finished_loads``), so all tree
+  mutations stay on the scheduler's thread.
+- Loads run layer by layer and tick a :class:`LayerDoneCounter`, so a forward pass can start layer
+  ``k`` as soon as its KV has arrived while later layers are still loading.
+- Tensor parallelism: every rank runs the same tree logic; what differs between ranks is timing
+  (how many copies have finished). Whenever a decision depends on timing, ranks agree by an
+  all-reduce (MIN) over the given process group: always issued, whatever the local value, because a
+  collective skipped on one rank hangs the others.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hicache_kernels import ops
+from hicache_kernels.backends import get_backend
+
+from .pools import DeviceKVPool, HostKVPool
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+IO_BACKENDS = ("direct", "batch", "kernel", "triton", "auto")
+
+
+@dataclass
+class CacheMetrics:
+    """Counters of a HiCache instance. Times in seconds, sizes in tokens and bytes."""
+
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    miss_tokens: int = 0
+    tokens_written: int = 0
+    bytes_written: int = 0
+    write_time_s: float = 0.0
+    tokens_loaded: int = 0
+    bytes_loaded: int = 0
+    load_time_s: float = 0.0
+    device_evicted_tokens: int = 0
+    host_evicted_tokens: int = 0
+    writes_refused_host_full: int = 0
+    load_backs: int = 0
+    load_backs_skipped: int = 0
+    load_back_latency_s: list[float] = field(default_factory=list)
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_time_s / 1e9 if self.write_time_s else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        return self.bytes_loaded / self.load_time_s / 1e9 if self.load_time_s else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        lat = d.pop("load_back_latency_s")
+        d.update(
+            write_gbps=self.write_gbps,
+            load_gbps=self.load_gbps,
+            load_back_latency_mean_s=sum(lat) / len(lat) if lat else 0.0,
+            load_back_latency_max_s=max(lat, default=0.0),
+        )
+        return d
+
+
+class LayerDoneCounter:
+    """Per-layer completion of the current load batch.
+
+    The loader calls :meth:`layer_done` after issuing each layer's copy; the forward pass calls
+    :meth:`wait_until` before reading a layer. On a GPU this is a CUDA event per layer (recorded on
+    the load stream, waited on by the consumer's stream: the host never blocks); on CPU a condition
+    variable.
+    """
+
+    def __init__(self, num_layers: int, device: torch.device | None = None) -> None:
+        self.num_layers = num_layers
+        self.cuda = device is not None and device.type == "cuda"
+        self._cond = threading.Condition()
+        self._done = num_layers  # nothing in flight: every layer is ready
+        self._generation = 0
+        self._events: list[Any] = []
+
+    def start(self) -> int:
+        """Begin a new load batch (all layers pending); returns its generation number."""
+        with self._cond:
+            self._generation += 1
+            self._done = 0
+            self._events = [None] * self.num_layers
+            return self._generation
+
+    def layer_done(self, layer: int, stream: Any = None) -> None:
+        with self._cond:
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                self._events[layer] = ev
+            self._done = max(self._done, layer + 1)
+            self._cond.notify_all()
+
+    def wait_until(self, layer: int, timeout: float | None = 60.0) -> None:
+        """Block (CPU) or make the current CUDA stream wait (GPU) until ``layer`` has loaded."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done > layer, timeout=timeout):
+                raise TimeoutError(f"layer {layer} of load generation {self._generation} did not finish")
+            ev = self._events[layer] if self.cuda and self._events else None
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
+
+    @property
+    def layers_done(self) -> int:
+        with self._cond:
+            return self._done
+
+
+@dataclass
+class _Op:
+    kind: str  # "write" or "load"
+    device_indices: torch.Tensor
+    host_indices: torch.Tensor
+    node_ids: list[int]
+    ready: Any = None  # CUDA event the copy must wait for (data produced on the scheduler's stream)
+
+
+_STOP = object()
+
+
+class HiCacheController:
+    """Moves KV between ``device_pool`` and ``host_pool`` (see module docstring).
+
+    Parameters
+    ----------
+    device_pool, host_pool : the pools (:mod:`hicache.pools`).
+    io_backend : ``direct``, ``batch``, ``kernel``, ``triton`` or ``auto`` (the transfer ops'
+        backends); checked against the pools: the zero-copy backends need a pinned host pool when the
+        device pool is on a GPU.
+    write_policy : ``write_through``, ``write_through_selective`` or ``write_back`` (used by the tree).
+    tp_group : a ``torch.distributed`` process group whose ranks must take identical decisions, or None.
+    threaded : run copies on worker threads (default). ``False`` runs each copy inline when queued,
+        which makes a run deterministic (tests, debugging).
+    layer_wise : load layer by layer, ticking :attr:`layer_counter` (default); else all layers at once.
+    """
+
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        *,
+        io_backend: str = "auto",
+        write_policy: str = "write_through",
+        tp_group: Any = None,
+        threaded: bool = True,
+        layer_wise: bool = True,
+    ) -> None:
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
+        on_gpu = torch.device(device_pool.device).type == "cuda"
+        if on_gpu and io_backend in ("kernel", "triton") and not host_pool.buffer.is_pinned():
+            raise ValueError(
+                f"io_backend: {io_backend!r} reads the host pool directly and needs it pinned; create the "
+                "HostKVPool with pin_memory=True or use io_backend='direct'"
+            )
+        if not on_gpu and io_backend in ("kernel", "batch"):
+            raise ValueError(
+                f"io_backend: {io_backend!r} needs the device pool on a CUDA GPU (got {device_pool.device}); "
+                "use 'direct' (or 'triton' under TRITON_INTERPRET=1) with CPU pools"
+            )
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.io_backend = io_backend
+        self.backend = get_backend(io_backend)
+        self.write_policy = write_policy
+        self.tp_group = tp_group
+        self.threaded = threaded
+        self.layer_wise = layer_wise
+        self.on_gpu = on_gpu
+        self.metrics = CacheMetrics()
+        self.layer_counter = LayerDoneCounter(device_pool.num_layers, torch.device(device_pool.device))
+        self.ack_write_queue: queue.Queue[list[int]] = queue.Queue()
+        self.ack_load_queue: queue.Queue[list[int]] = queue.Queue()
+        self._write_queue: queue.Queue[Any] = queue.Queue()
+        self._load_queue: queue.Queue[Any] = queue.Queue()
+        self._pending_loads: list[_Op] = []
+        self._errors: list[BaseException] = []
+        self._closed = False
+        self._write_stream = torch.cuda.Stream(device=device_pool.device) if on_gpu else None
+        self._load_stream = torch.cuda.Stream(device=device_pool.device) if on_gpu else None
+        self._threads: list[threading.Thread] = []
+        if threaded:
+            for name, q in (("hicache-write", self._write_queue), ("hicache-load", self._load_queue)):
+                t = threading.Thread(target=self._worker, args=(q,), name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    # ------------------------------------------------------------------ agreement across TP ranks
+    def agree_min(self, value: int) -> int:
+        """The minimum of ``value`` over the TP group (``value`` itself without one). Always issues
+        the collective when a group is set, whatever ``value`` is."""
+        if self.tp_group is None:
+            return int(value)
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        return int(t.item())
+
+    # ------------------------------------------------------------------ submitting copies
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("HiCacheController is closed")
+        if self._errors:
+            raise RuntimeError("a HiCacheController worker failed") from self._errors[0]
+
+    def _ready_event(self) -> Any:
+        if not self.on_gpu:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()  # the scheduler's current stream produced (or will read) the device KV
+        return ev
+
+    def write(self, device_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
+        """Back up ``device_indices`` into newly allocated host slots; returns them (state WRITING
+        until the ack is processed) or None when the host pool has no room."""
+        self._check_open()
+        host_indices = self.host_pool.alloc(len(device_indices))
+        if host_indices is None:
+            self.metrics.writes_refused_host_full += 1
+            return None
+        self.host_pool.mark_writing(host_indices)
+        op = _Op("write", device_indices, host_indices, [node_id], self._ready_event())
+        self._submit(self._write_queue, op)
+        return host_indices
+
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, node_id: int) -> None:
+        """Queue a load-back of ``host_indices`` into ``device_indices`` (already allocated); it starts
+        with the next :meth:`start_loading`."""
+        self._check_open()
+        self.host_pool.mark_loading(host_indices)
+        self._pending_loads.append(_Op("load", device_indices, host_indices, [node_id]))
+
+    def start_loading(self) -> int:
+        """Merge the queued load-backs into one layer-by-layer batch and start it; returns the
+        :attr:`layer_counter` generation to wait on (0 when nothing was queued)."""
+        self._check_open()
+        if not self._pending_loads:
+            return 0
+        pending, self._pending_loads = self._pending_loads, []
+        op = _Op(
+            "load",
+            torch.cat([p.device_indices for p in pending]),
+            torch.cat([p.host_indices for p in pending]),
+            [i for p in pending for i in p.node_ids],
+            self._ready_event(),
+        )
+        generation = self.layer_counter.start()
+        self._submit(self._load_queue, op)
+        return generation
+
+    def _submit(self, q: queue.Queue, op: _Op) -> None:
+        if self.threaded:
+            q.put(op)
+        else:
+            self._execute(op)
+
+    # ------------------------------------------------------------------ workers
+    def _worker(self, q: queue.Queue) -> None:
+        while True:
+            op = q.get()
+            try:
+                if op is _STOP:
+                    return
+                self._execute(op)
+            except BaseException as exc:  # surfaced to the scheduler on its next call
+                self._errors.append(exc)
+            finally:
+                q.task_done()
+
+    def _execute(self, op: _Op) -> None:
+        dp, hp = self.device_pool, self.host_pool
+        stream = self._write_stream if op.kind == "write" else self._load_stream
+        common = dict(layout=hp.layout, page_size=hp.page_size, backend=self.backend, stream=stream)
+        start = time.perf_counter()
+        if stream is not None and op.ready is not None:
+            stream.wait_event(op.ready)
+        if op.kind == "write":
+            ops.backup_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+        elif self.layer_wise:
+            for layer in range(dp.num_layers):
+                ops.load_layer(
+                    dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, layer_id=layer, **common
+                )
+                self.layer_counter.layer_done(layer, stream)
+        else:
+            ops.load_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+            for layer in range(dp.num_layers):
+                self.layer_counter.layer_done(layer, stream)
+        if stream is not None:
+            stream.synchronize()  # the ack promises the data has landed
+        elapsed = time.perf_counter() - start
+        tokens = len(op.device_indices)
+        nbytes = tokens * dp.bytes_per_slot
+        m = self.metrics
+        if op.kind == "write":
+            m.tokens_written += tokens
+            m.bytes_written += nbytes
+            m.write_time_s += elapsed
+            self.ack_write_queue.put(op.node_ids)
+        else:
+            m.tokens_loaded += tokens
+            m.bytes_loaded += nbytes
+            m.load_time_s += elapsed
+            self.ack_load_queue.put(op.node_ids)
+
+    # ------------------------------------------------------------------ completions
+    def _finished(self, q: queue.Queue) -> list[int]:
+        self._check_open()
+        n = self.agree_min(q.qsize())
+        out: list[int] = []
+        for _ in range(n):
+            out.extend(q.get_nowait())
+        return out
+
+    def finished_writes(self) -> list[int]:
+        """Node ids whose backups completed on every rank (agreed count), in submission order."""
+        return self._finished(self.ack_write_queue)
+
+    def finished_loads(self) -> list[int]:
+        """Node ids whose load-backs completed on every rank, in submission order."""
+        return self._finished(self.ack_load_queue)
+
+    def flush(self) -> None:
+        """Wait until every queued copy has run (acks still need processing by the tree)."""
+        self._check_open()
+        if self._pending_loads:
+            self.start_loading()
+        self._write_queue.join()
+        self._load_queue.join()
+        self._check_open()
+
+    def close(self, drain: bool = True, timeout: float = 60.0) -> None:
+        """Stop the workers and join them. ``drain`` runs queued copies first; otherwise they are
+        dropped (their slots stay reserved: close the pools with the controller). Idempotent."""
+        if self._closed:
+            return
+        if not drain:
+            for q in (self._write_queue, self._load_queue):
+                while True:
+                    try:
+                        q.get_nowait()
+                        q.task_done()
+                    except queue.Empty:
+                        break
+            self._pending_loads.clear()
+        elif self._pending_loads and not self._errors:
+            self.start_loading()
+        if self._threads:  # one stop marker per worker; each worker owns one queue
+            self._write_queue.put(_STOP)
+            self._load_queue.put(_STOP)
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                raise RuntimeError(f"HiCacheController: worker {t.name} did not stop within {timeout} s")
+        self._closed = True
+
+    def __enter__(self) -> HiCacheController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

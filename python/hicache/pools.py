@@ -1,0 +1,581 @@
+"""KV pools of the hierarchical cache: the layer-first device pool and the pinned host pool.
+
+:class:`DeviceKVPool` holds every layer's K and V (MHA) or latent vector (MLA) for ``size`` token
+slots on the GPU, in the layer-first form attention kernels read and :mod:`hicache_kernels.ops`
+takes (``device_k`` / ``device_v``), plus a page-aligned slot allocator.
+
+:class:`HostKVPool` holds a larger pinned copy in one of the host layouts of
+:mod:`hicache_kernels.layouts` (``buffer``), its own page-aligned allocator, and a per-slot state
+that the cache controller drives while a backup (device -> host) or load-back (host -> device) is in
+flight::
+
+    FREE --alloc--> RESERVED --mark_writing--> WRITING --mark_synced--> SYNCED
+    SYNCED --mark_loading--> LOADING --mark_synced--> SYNCED
+    RESERVED / SYNCED --free--> FREE
+
+Both allocators hand out whole pages (``page_size`` consecutive slots: page ``p`` is slots
+``[p * page_size, (p + 1) * page_size)``) and take back only whole allocated pages. Every state change
+checks every given slot first and changes nothing when any is wrong (``ValueError`` naming the method,
+the slots and their states), so a controller bug surfaces at the call that made it, not as corrupted
+KV data later. All methods are thread-safe: the controller's transfer threads and the scheduler share
+the pools.
+
+Units: slots are token slots (not pages, not bytes); ``*_bytes`` are bytes; ``*_gb`` arguments are
+GiB (2**30 bytes).
+
+Examples
+--------
+>>> import torch
+>>> from hicache.pools import DeviceKVPool, HostKVPool
+>>> from hicache_kernels import ops
+>>> dev = DeviceKVPool(num_slots=64, num_layers=2, head_num=2, head_dim=8, dtype=torch.float16,
+...                    device="cpu", page_size=4)
+>>> host = HostKVPool(dev, layout="page_first_direct", ratio=2.0)
+>>> d, h = dev.alloc(8), host.alloc(8)
+>>> host.mark_writing(h)
+>>> ops.backup_all_layers(dev.device_k, dev.device_v, host.buffer, d, h, layout=host.layout,
+...                       page_size=host.page_size, backend="direct")
+>>> host.mark_synced(h)
+>>> host.state(h[:2]).tolist() == [SlotState.SYNCED] * 2
+True
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from hicache_kernels import layouts
+from hicache_kernels.ops import SUPPORTED_DTYPES
+
+__all__ = ["DeviceKVPool", "HostKVPool", "SlotState"]
+
+_GIB = 1 << 30
+_SHOW = 4  # slots listed in an error message before "..."
+
+
+class SlotState(IntEnum):
+    """State of one host slot (the device pool uses only ``FREE`` and ``RESERVED``, "allocated")."""
+
+    FREE = 0
+    RESERVED = 1  # allocated, holds no valid data yet
+    WRITING = 2  # a backup (device -> host) into it is in flight
+    SYNCED = 3  # holds valid data
+    LOADING = 4  # a load-back (host -> device) from it is in flight; data stays valid
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _fmt_slots(slots: np.ndarray) -> str:
+    head = ", ".join(str(int(s)) for s in slots[:_SHOW])
+    return f"[{head}]" if slots.size <= _SHOW else f"[{head}, ...] ({slots.size} slots)"
+
+
+class _PagedSlots:
+    """Page allocator + per-slot state array shared by both pools (not public).
+
+    Free pages live in a numpy array used as a stack (``_stack[:_num_free]``, top at the end), so
+    alloc and free move whole batches of pages with slicing instead of per-page Python loops. The
+    invariant: a page is on the stack iff all its slots are ``FREE``.
+    """
+
+    def __init__(self, size: int, page_size: int) -> None:
+        self.size = size
+        self.page_size = page_size
+        num_pages = size // page_size
+        # Reversed, so the first allocations come out as pages 0, 1, 2, ...: ascending runs of slots,
+        # which the copy-engine backends merge into fewer copies.
+        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = num_pages
+        self._states = np.zeros(size, dtype=np.uint8)
+        self._ever = np.zeros(size, dtype=bool)  # allocated at least once: tells a double free from a stray one
+        self._offsets = np.arange(page_size, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    def available_size(self) -> int:
+        with self._lock:
+            return self._num_free * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise ValueError(f"num_tokens: expected an int, got {type(num_tokens).__name__}")
+        if num_tokens < 0 or num_tokens % self.page_size:
+            raise ValueError(
+                f"num_tokens: expected a non-negative multiple of page_size {self.page_size}, got {num_tokens}"
+            )
+        need = int(num_tokens) // self.page_size
+        with self._lock:
+            if need > self._num_free:
+                return None
+            pages = self._stack[self._num_free - need : self._num_free][::-1]
+            self._num_free -= need
+            slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+            self._states[slots] = SlotState.RESERVED
+            self._ever[slots] = True
+        return torch.from_numpy(slots)
+
+    def _parse(self, method: str, slots: object, whole_pages: bool) -> np.ndarray:
+        """Slots as a duplicate-free int64 numpy array inside the pool; ValueError/TypeError otherwise."""
+        if not isinstance(slots, torch.Tensor):
+            raise TypeError(f"{method}: slots: expected a torch.Tensor, got {type(slots).__name__}")
+        if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex():
+            raise TypeError(f"{method}: slots: expected an integer tensor, got {slots.dtype}")
+        if slots.dim() != 1:
+            raise ValueError(f"{method}: slots: expected a 1-D tensor, got shape {tuple(slots.shape)}")
+        s = slots.detach().cpu().numpy().astype(np.int64, copy=False)  # CUDA slots: one sync
+        if s.size == 0:
+            return s
+        out = (s < 0) | (s >= self.size)
+        if out.any():
+            raise ValueError(f"{method}: slot(s) {_fmt_slots(s[out])} out of range [0, {self.size})")
+        uniq = np.unique(s)
+        if uniq.size != s.size:
+            _, counts = np.unique(s, return_counts=True)
+            raise ValueError(f"{method}: repeated slot(s) {_fmt_slots(uniq[counts > 1])}")
+        if whole_pages and self.page_size > 1:
+            pages, counts = np.unique(s // self.page_size, return_counts=True)
+            partial = pages[counts != self.page_size]
+            if partial.size:
+                raise ValueError(
+                    f"{method}: slots must be whole pages of {self.page_size} slots; partial page(s) "
+                    f"{_fmt_slots(partial)} (page p is slots [p*{self.page_size}, (p+1)*{self.page_size}))"
+                )
+        return s
+
+    def transition(
+        self,
+        method: str,
+        slots: torch.Tensor,
+        sources: tuple[SlotState, ...],
+        target: SlotState,
+        reasons: dict[SlotState, str],
+        whole_pages: bool = False,
+    ) -> None:
+        """Move every slot from one of ``sources`` to ``target``, all or nothing; ``target`` FREE releases
+        the slots' pages to the free stack."""
+        with self._lock:
+            s = self._parse(method, slots, whole_pages)
+            if s.size == 0:
+                return
+            cur = self._states[s]
+            bad = ~np.isin(cur, np.array(sources, dtype=np.uint8))
+            if bad.any():
+                raise ValueError(self._message(method, s[bad], cur[bad], sources, reasons))
+            self._states[s] = target
+            if target == SlotState.FREE:
+                pages = np.unique(s // self.page_size)
+                # Pushed reversed so the next alloc takes them in ascending order.
+                self._stack[self._num_free : self._num_free + pages.size] = pages[::-1]
+                self._num_free += pages.size
+
+    def _message(
+        self,
+        method: str,
+        bad: np.ndarray,
+        states: np.ndarray,
+        sources: tuple[SlotState, ...],
+        reasons: dict[SlotState, str],
+    ) -> str:
+        groups = []
+        for st in np.unique(states):
+            state = SlotState(int(st))
+            sel = bad[states == st]
+            if state == SlotState.FREE:
+                # FREE is either a slot released before (double free / stale use) or never handed out.
+                ever = self._ever[sel]
+                for mask, what in ((ever, reasons.get(state, "not allocated")), (~ever, "never allocated")):
+                    if mask.any():
+                        groups.append(f"{what}: slot(s) {_fmt_slots(sel[mask])} are FREE")
+            else:
+                groups.append(f"{reasons.get(state, 'wrong state')}: slot(s) {_fmt_slots(sel)} are {state.name}")
+        expected = " or ".join(s.name for s in sources)
+        return f"{method}: {'; '.join(groups)} (expected {expected}); no slot was changed"
+
+    def states(self, method: str, slots: torch.Tensor | None) -> torch.Tensor:
+        with self._lock:
+            if slots is None:
+                return torch.from_numpy(self._states.copy())
+            s = self._parse(method, slots, whole_pages=False)
+            return torch.from_numpy(self._states[s])
+
+
+class DeviceKVPool:
+    """The layer-first KV pool on the GPU and its page-aligned slot allocator.
+
+    Parameters
+    ----------
+    num_slots : token slots ``N``; a positive multiple of ``page_size``.
+    num_layers : layers ``L``.
+    head_num : KV heads ``H`` per token and layer; must be 1 for MLA.
+    head_dim : elements ``D`` per head; for MLA the latent width ``kv_dim``.
+    dtype : element type, one of :data:`hicache_kernels.ops.SUPPORTED_DTYPES`.
+    device : where the pool lives (default ``"cuda"``); CPU pools serve tests.
+    page_size : slots per page: the allocation unit (default 1).
+    mla : one latent vector per token and layer (``kv``) instead of K and V.
+    stacked : one ``[L, N, H, D]`` tensor per K/V (default), or, with ``False``, a list of ``L``
+        separately allocated ``[N, H, D]`` tensors, as engines that allocate per layer do.
+
+    Attributes
+    ----------
+    k, v : MHA pools (stacked tensor or list of layers); ``None`` for MLA.
+    kv : MLA latent pool ``[L, N, 1, kv_dim]`` (or a list of ``[N, 1, kv_dim]``); ``None`` for MHA.
+    size, page_size, num_layers, head_num, head_dim, dtype, device, mla, stacked : as given
+        (``device`` the tensors' actual device).
+    item_bytes : bytes of one token's K (or V, or latent) in one layer: ``H * D * elem_bytes``.
+
+    Notes
+    -----
+    Storage is uninitialised (``torch.empty``): a slot's contents are defined once written. No slot is
+    reserved as padding; an engine that needs one allocates it first.
+
+    Examples
+    --------
+    >>> import torch
+    >>> pool = DeviceKVPool(num_slots=32, num_layers=2, head_num=4, head_dim=8, dtype=torch.bfloat16,
+    ...                     device="cpu", page_size=8)
+    >>> pool.alloc(16).tolist() == list(range(16))
+    True
+    >>> pool.available_size()
+    16
+    """
+
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        num_layers: int,
+        head_num: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cuda",
+        page_size: int = 1,
+        mla: bool = False,
+        stacked: bool = True,
+    ) -> None:
+        page_size = _positive_int(page_size, "page_size")
+        num_slots = _positive_int(num_slots, "num_slots")
+        if num_slots % page_size:
+            raise ValueError(f"num_slots: {num_slots} is not a multiple of page_size {page_size}")
+        num_layers = _positive_int(num_layers, "num_layers")
+        head_num = _positive_int(head_num, "head_num")
+        head_dim = _positive_int(head_dim, "head_dim")
+        if mla and head_num != 1:
+            raise ValueError(f"head_num: an MLA pool has one latent vector per token (head_num=1), got {head_num}")
+        if dtype not in SUPPORTED_DTYPES:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"dtype: {dtype} is not supported by the transfer ops; expected one of {supported}")
+
+        self.size = num_slots
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.mla = bool(mla)
+        self.stacked = bool(stacked)
+        self.item_bytes = head_num * head_dim * dtype.itemsize
+
+        def make() -> torch.Tensor | list[torch.Tensor]:
+            if stacked:
+                return torch.empty(num_layers, num_slots, head_num, head_dim, dtype=dtype, device=device)
+            return [torch.empty(num_slots, head_num, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        self.k: torch.Tensor | list[torch.Tensor] | None
+        self.v: torch.Tensor | list[torch.Tensor] | None
+        self.kv: torch.Tensor | list[torch.Tensor] | None
+        if self.mla:
+            self.k, self.v, self.kv = None, None, make()
+        else:
+            self.k, self.v, self.kv = make(), make(), None
+        first = self.device_k if stacked else self.device_k[0]
+        self.device = first.device  # "cuda" resolves to the current device index
+        self._slots = _PagedSlots(num_slots, page_size)
+
+    @property
+    def device_k(self) -> torch.Tensor | list[torch.Tensor]:
+        """The pool as :mod:`hicache_kernels.ops` takes ``device_k``: K (MHA) or the latent pool (MLA)."""
+        return self.kv if self.mla else self.k  # type: ignore[return-value]
+
+    @property
+    def device_v(self) -> torch.Tensor | list[torch.Tensor] | None:
+        """The pool as :mod:`hicache_kernels.ops` takes ``device_v``: V (MHA) or ``None`` (MLA)."""
+        return None if self.mla else self.v
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one token slot takes across all layers (K and V, or the latent)."""
+        return (1 if self.mla else 2) * self.num_layers * self.item_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.size * self.bytes_per_slot
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate ``num_tokens`` slots as whole pages.
+
+        Parameters
+        ----------
+        num_tokens : a non-negative multiple of ``page_size`` (``ValueError`` otherwise).
+
+        Returns
+        -------
+        An int64 CPU tensor of ``num_tokens`` token slots, each page's slots consecutive and in order,
+        or ``None`` (and nothing allocated) when fewer than ``num_tokens`` slots are free.
+        """
+        return self._slots.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return whole allocated pages to the pool.
+
+        Raises ``ValueError`` (and frees nothing) for a slot out of range, repeated, not yet allocated
+        (double free or never allocated), or a page given only in part.
+        """
+        self._slots.transition(
+            "free", slots, (SlotState.RESERVED,), SlotState.FREE, {SlotState.FREE: "double free"}, whole_pages=True
+        )
+
+    def is_allocated(self, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Bool tensor: whether each of ``slots`` (default: every slot) is allocated."""
+        return self._slots.states("is_allocated", slots) != SlotState.FREE
+
+    def available_size(self) -> int:
+        """Free token slots."""
+        return self._slots.available_size()
+
+    def __repr__(self) -> str:
+        kind = "MLA" if self.mla else "MHA"
+        return (
+            f"DeviceKVPool({kind}, size={self.size}, page_size={self.page_size}, L={self.num_layers}, "
+            f"H={self.head_num}, D={self.head_dim}, {self.dtype}, {self.device}, "
+            f"{'stacked' if self.stacked else 'per-layer'}, {self.total_bytes / _GIB:.3f} GiB)"
+        )
+
+
+def _mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the free physical
+    pages; None when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class HostKVPool:
+    """The pinned host KV pool in one host layout, with a per-slot state machine.
+
+    Parameters
+    ----------
+    device_pool : the :class:`DeviceKVPool` it backs up; shape, dtype, MLA and ``page_size`` follow it.
+    layout : ``"layer_first"``, ``"page_first"`` (default), ``"page_first_direct"`` or ``"page_head"``
+        (MHA only), see :mod:`hicache_kernels.layouts`.
+    ratio : host slots per device slot (default 2.0); used when ``size_gb`` is None.
+    size_gb : host pool size in GiB; wins over ``ratio`` when given.
+    pin_memory : pin ``buffer`` (page-locked, so the GPU can DMA it and the zero-copy backends can read
+        it). Default: pinned iff the device pool is on CUDA. ``True`` without CUDA raises ``ValueError``.
+    safety_margin_gb : GiB of available RAM to leave untouched (default 2.0).
+    mem_available_bytes : available RAM in bytes; default read from ``/proc/meminfo`` (MemAvailable).
+
+    The size is rounded down to whole pages. ``ValueError`` naming ``size_gb`` or ``ratio`` when the
+    request is not positive, not larger than the device pool (as in SGLang's HiCache, host eviction
+    assumes every device page can have a host copy), or more than available RAM minus the margin.
+
+    Attributes
+    ----------
+    buffer : the pool, contiguous, of :func:`hicache_kernels.layouts.host_shape` for ``layout``:
+        pass it as ``host`` to :mod:`hicache_kernels.ops` with ``layout`` and ``page_size``.
+    layout, size, page_size, num_layers, head_num, head_dim, dtype, mla, item_bytes : as above.
+    pinned : whether ``buffer`` is pinned.
+
+    Examples
+    --------
+    >>> import torch
+    >>> dev = DeviceKVPool(num_slots=16, num_layers=2, head_num=1, head_dim=16, dtype=torch.float16,
+    ...                    device="cpu", page_size=4, mla=True)
+    >>> host = HostKVPool(dev, layout="page_first", ratio=2.5)
+    >>> host.size, tuple(host.buffer.shape)
+    (40, (40, 2, 1, 16))
+    >>> slots = host.alloc(4)
+    >>> host.mark_writing(slots); host.mark_synced(slots); host.free(slots)
+    """
+
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        *,
+        layout: str = "page_first",
+        ratio: float | None = 2.0,
+        size_gb: float | None = None,
+        pin_memory: bool | None = None,
+        safety_margin_gb: float = 2.0,
+        mem_available_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(device_pool, DeviceKVPool):
+            raise TypeError(f"device_pool: expected a DeviceKVPool, got {type(device_pool).__name__}")
+        layouts.check_layout(layout, device_pool.mla)
+        self.device_pool = device_pool
+        self.layout = layout
+        self.mla = device_pool.mla
+        self.page_size = device_pool.page_size
+        self.num_layers = device_pool.num_layers
+        self.head_num = device_pool.head_num
+        self.head_dim = device_pool.head_dim
+        self.dtype = device_pool.dtype
+        self.item_bytes = device_pool.item_bytes
+        per_slot = device_pool.bytes_per_slot
+
+        if size_gb is not None:
+            arg = "size_gb"
+            if not size_gb > 0:
+                raise ValueError(f"size_gb: expected a positive size in GiB, got {size_gb!r}")
+            size = int(size_gb * _GIB) // per_slot
+        elif ratio is not None:
+            arg = "ratio"
+            if not ratio > 0:
+                raise ValueError(f"ratio: expected a positive host/device slot ratio, got {ratio!r}")
+            size = int(device_pool.size * ratio)
+        else:
+            raise ValueError("size_gb / ratio: give one (size_gb wins when both are given)")
+        size -= size % self.page_size
+        if size <= device_pool.size:
+            raise ValueError(
+                f"{arg}: host pool ({size} slots) must be larger than the device pool ({device_pool.size} slots)"
+            )
+        if safety_margin_gb < 0:
+            raise ValueError(f"safety_margin_gb: expected a non-negative margin, got {safety_margin_gb!r}")
+        available = _mem_available_bytes() if mem_available_bytes is None else int(mem_available_bytes)
+        need = size * per_slot
+        if available is not None and need > available - safety_margin_gb * _GIB:
+            raise ValueError(
+                f"{arg}: host pool of {need / _GIB:.2f} GiB ({size} slots x {per_slot} bytes) does not fit in "
+                f"available RAM {available / _GIB:.2f} GiB minus the safety margin {safety_margin_gb:.2f} GiB"
+            )
+
+        if pin_memory is None:
+            pin_memory = device_pool.device.type == "cuda"
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory: pinning needs CUDA (torch.cuda.is_available() is False)")
+        shape = layouts.host_shape(
+            layout,
+            mla=self.mla,
+            num_layers=self.num_layers,
+            num_slots=size,
+            page_size=self.page_size,
+            head_num=self.head_num,
+            head_dim=self.head_dim,
+        )
+        self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=bool(pin_memory))
+        self.pinned = bool(pin_memory)
+        self.size = size
+        self._slots = _PagedSlots(size, self.page_size)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one token slot takes across all layers (K and V, or the latent)."""
+        return self.device_pool.bytes_per_slot
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of ``buffer``."""
+        return self.size * self.bytes_per_slot
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate ``num_tokens`` slots as whole pages, in state ``RESERVED``.
+
+        ``num_tokens`` must be a non-negative multiple of ``page_size``. Returns an int64 CPU tensor
+        (each page's slots consecutive), or ``None`` with nothing allocated when too few are free.
+        """
+        return self._slots.alloc(num_tokens)
+
+    def mark_writing(self, slots: torch.Tensor) -> None:
+        """``RESERVED -> WRITING``: a backup into ``slots`` is about to be issued."""
+        self._slots.transition(
+            "mark_writing",
+            slots,
+            (SlotState.RESERVED,),
+            SlotState.WRITING,
+            {
+                SlotState.FREE: "slot not allocated",
+                SlotState.WRITING: "a backup is already in flight",
+                SlotState.SYNCED: "already holds valid data (SYNCED)",
+                SlotState.LOADING: "a load from it is in flight",
+            },
+        )
+
+    def mark_synced(self, slots: torch.Tensor) -> None:
+        """``WRITING -> SYNCED`` (backup done) or ``LOADING -> SYNCED`` (load-back done)."""
+        self._slots.transition(
+            "mark_synced",
+            slots,
+            (SlotState.WRITING, SlotState.LOADING),
+            SlotState.SYNCED,
+            {
+                SlotState.FREE: "slot not allocated",
+                SlotState.RESERVED: "no backup was started",
+                SlotState.SYNCED: "no transfer in flight",
+            },
+        )
+
+    def mark_loading(self, slots: torch.Tensor) -> None:
+        """``SYNCED -> LOADING``: a load-back from ``slots`` is about to be issued."""
+        self._slots.transition(
+            "mark_loading",
+            slots,
+            (SlotState.SYNCED,),
+            SlotState.LOADING,
+            {
+                SlotState.FREE: "slot not allocated",
+                SlotState.RESERVED: "holds no valid data yet (RESERVED)",
+                SlotState.WRITING: "its backup is still in flight (WRITING)",
+                SlotState.LOADING: "a load is already in flight",
+            },
+        )
+
+    def free(self, slots: torch.Tensor) -> None:
+        """``RESERVED / SYNCED -> FREE`` for whole allocated pages.
+
+        A slot with a transfer in flight (``WRITING`` / ``LOADING``) cannot be freed: the copy engine or
+        kernel may still be touching it.
+        """
+        self._slots.transition(
+            "free",
+            slots,
+            (SlotState.RESERVED, SlotState.SYNCED),
+            SlotState.FREE,
+            {
+                SlotState.FREE: "double free",
+                SlotState.WRITING: "free of a slot in flight (WRITING)",
+                SlotState.LOADING: "free of a slot in flight (LOADING)",
+            },
+            whole_pages=True,
+        )
+
+    def state(self, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 tensor of the :class:`SlotState` of each of ``slots`` (default: every slot); a copy."""
+        return self._slots.states("state", slots)
+
+    def available_size(self) -> int:
+        """Free token slots."""
+        return self._slots.available_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"HostKVPool({'MLA' if self.mla else 'MHA'}, {self.layout}, size={self.size}, "
+            f"page_size={self.page_size}, {self.dtype}, {'pinned' if self.pinned else 'pageable'}, "
+            f"{self.total_bytes / _GIB:.3f} GiB)"
+        )

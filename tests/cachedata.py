@@ -1,0 +1,92 @@
+"""Helpers for cache tests: small CPU pools and KV data derived from (token, position, layer)."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache import DeviceKVPool, HiRadixCache, HostKVPool
+
+NUM_LAYERS, HEAD_NUM, HEAD_DIM = 3, 2, 4
+
+
+def make_cache(
+    *,
+    device_slots: int = 64,
+    host_ratio: float = 2.0,
+    page_size: int = 1,
+    mla: bool = False,
+    layout: str = "page_first",
+    write_policy: str = "write_through",
+    eviction_policy: str = "lru",
+    load_back_threshold: int = 1,
+    threaded: bool = False,
+    io_backend: str = "direct",
+    stacked: bool = True,
+    tp_group=None,
+) -> HiRadixCache:
+    dev = DeviceKVPool(
+        num_slots=device_slots, num_layers=NUM_LAYERS, head_num=1 if mla else HEAD_NUM, head_dim=HEAD_DIM,
+        dtype=torch.float32, device="cpu", page_size=page_size, mla=mla, stacked=stacked,
+    )  # fmt: skip
+    host = HostKVPool(dev, layout=layout, ratio=host_ratio)
+    return HiRadixCache(
+        dev, host, io_backend=io_backend, write_policy=write_policy, eviction_policy=eviction_policy,
+        load_back_threshold=load_back_threshold, threaded=threaded, tp_group=tp_group,
+    )  # fmt: skip
+
+
+def kv_value(token: int, position: int, layer: int, kv: int) -> torch.Tensor:
+    """The KV a token at a position would have in a layer: distinct for every argument."""
+    base = token * 1_000_000 + position * 1_000 + layer * 10 + kv
+    return torch.arange(HEAD_NUM * HEAD_DIM, dtype=torch.float32).reshape(HEAD_NUM, HEAD_DIM) + base
+
+
+def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start: int = 0) -> None:
+    """Fill device slots with :func:`kv_value` of (token, position, layer) — as a forward pass would."""
+    pool = cache.device_pool
+    layers_k = pool.device_k if isinstance(pool.device_k, list) else list(pool.device_k.unbind(0))
+    layers_v = [] if pool.device_v is None else (
+        pool.device_v if isinstance(pool.device_v, list) else list(pool.device_v.unbind(0))
+    )  # fmt: skip
+    h = layers_k[0].shape[1]
+    for pos, (tok, slot) in enumerate(zip(tokens, slots.tolist(), strict=True), start=start):
+        for layer in range(pool.num_layers):
+            layers_k[layer][slot] = kv_value(tok, pos, layer, 0)[:h]
+            if layers_v:
+                layers_v[layer][slot] = kv_value(tok, pos, layer, 1)[:h]
+
+
+def check_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor) -> None:
+    pool = cache.device_pool
+    layers_k = pool.device_k if isinstance(pool.device_k, list) else list(pool.device_k.unbind(0))
+    layers_v = [] if pool.device_v is None else (
+        pool.device_v if isinstance(pool.device_v, list) else list(pool.device_v.unbind(0))
+    )  # fmt: skip
+    h = layers_k[0].shape[1]
+    for pos, (tok, slot) in enumerate(zip(tokens, slots.tolist(), strict=True)):
+        for layer in range(pool.num_layers):
+            assert torch.equal(layers_k[layer][slot], kv_value(tok, pos, layer, 0)[:h]), (pos, layer, "k")
+            if layers_v:
+                assert torch.equal(layers_v[layer][slot], kv_value(tok, pos, layer, 1)[:h]), (pos, layer, "v")
+
+
+def prefill(cache: HiRadixCache, tokens: list[int]) -> int:
+    """What a scheduler does for a new request: match, compute the rest, insert. Returns the
+    device hit length; raises if the device pool has no room even after eviction."""
+    match = cache.match_prefix(tokens)
+    hit = len(match.device_indices)
+    need = len(tokens) - hit
+    cache.inc_lock_ref(match.last_device_node)
+    slots = cache.device_pool.alloc(need)
+    if slots is None:
+        cache.evict(need - cache.device_pool.available_size())
+        slots = cache.device_pool.alloc(need)
+    cache.dec_lock_ref(match.last_device_node)
+    if slots is None:
+        raise MemoryError("device pool full")
+    write_kv(cache, tokens[hit:], slots, start=hit)
+    full = torch.cat([match.device_indices, slots])
+    dup = cache.insert(tokens, full)
+    if dup > hit:  # another insert raced ahead: free our duplicated slots
+        cache.device_pool.free(full[hit:dup])
+    return hit

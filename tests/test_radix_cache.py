@@ -1,0 +1,278 @@
+"""HiRadixCache behaviour on CPU pools with the `direct` backend (and `triton` under the interpreter)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hicache import FIFO, LFU, LRU, SLRU, Priority, get_policy
+
+from cachedata import check_kv, make_cache, prefill
+
+
+def test_insert_then_match_returns_device_prefix():
+    with make_cache(device_slots=32) as c:
+        toks = list(range(10, 30))
+        assert prefill(c, toks) == 0
+        m = c.match_prefix(toks + [1, 2, 3])
+        assert len(m.device_indices) == 20 and m.host_hit_length == 0
+        check_kv(c, toks, m.device_indices)
+        c.verify()
+
+
+def test_partial_match_splits_a_node_and_keeps_both_halves():
+    with make_cache(device_slots=32) as c:
+        a = list(range(100, 116))
+        prefill(c, a)
+        b = a[:6] + [7, 8, 9]
+        assert prefill(c, b) == 6
+        c.verify()
+        assert len(c.root.children) == 1
+        (upper,) = c.root.children.values()
+        assert len(upper.key) == 6 and len(upper.children) == 2
+        check_kv(c, a, c.match_prefix(a).device_indices)
+        check_kv(c, b, c.match_prefix(b).device_indices)
+
+
+def test_page_aligned_keys():
+    with make_cache(device_slots=32, page_size=4, layout="page_first_direct") as c:
+        toks = list(range(50, 62))  # 12 tokens = 3 pages
+        prefill(c, toks)
+        m = c.match_prefix(toks[:10])  # 10 tokens: only 2 whole pages can match
+        assert len(m.device_indices) == 8
+        with pytest.raises(ValueError, match="page-aligned"):
+            c.insert(toks[:6], torch.arange(6))
+        c.verify()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
+def test_backup_evict_load_back_reproduces_kv(layout, mla, stacked):
+    """The KV that comes back after backup -> device eviction -> load_back is what was written."""
+    if mla and layout == "page_head":
+        pytest.skip("page_head is undefined for MLA (refused by the pools)")
+    with make_cache(device_slots=32, page_size=4, layout=layout, mla=mla, stacked=stacked) as c:
+        toks = list(range(300, 324))
+        prefill(c, toks)
+        c.check_writes()
+        assert c.evict(32) == 24
+        m = c.match_prefix(toks)
+        assert len(m.device_indices) == 0 and m.host_hit_length == 24
+        held = c.device_pool.alloc(4)  # the load-back must land on other slots than the originals
+        dev = c.load_back(m.last_host_node)
+        assert dev is not None and len(dev) == 24
+        c.start_loading()
+        c.check_loads()
+        c.verify(external_device=held)
+        check_kv(c, toks, c.match_prefix(toks).device_indices)
+        c.device_pool.free(held)
+
+
+def test_nodes_are_locked_while_copies_are_in_flight():
+    with make_cache(device_slots=32) as c:
+        toks = list(range(20))
+        prefill(c, toks)
+        (node,) = c.root.children.values()
+        assert node.lock_ref == 1  # the backup holds it
+        assert c.evict(32) == 0  # locked: nothing evictable
+        c.check_writes()
+        assert node.lock_ref == 0
+        assert c.evict(32) == 20
+
+
+def test_lock_ref_protects_and_never_goes_negative():
+    with make_cache(device_slots=32) as c:
+        prefill(c, list(range(16)))
+        c.check_writes()
+        m = c.match_prefix(list(range(16)))
+        c.inc_lock_ref(m.last_device_node)
+        assert c.evict(32) == 0 and c.protected_size() == 16 and c.evictable_size() == 0
+        c.dec_lock_ref(m.last_device_node)
+        with pytest.raises(RuntimeError, match="not locked"):
+            c.dec_lock_ref(m.last_device_node)
+        assert c.evictable_size() == 16
+
+
+def test_eviction_without_backup_deletes_the_node():
+    with make_cache(device_slots=32, write_policy="write_through_selective") as c:
+        prefill(c, list(range(16)))  # one hit: below the selective threshold, no backup
+        assert c.metrics.tokens_written == 0
+        assert c.evict(16) == 16
+        assert not c.root.children
+        c.verify()
+
+
+def test_write_through_selective_backs_up_on_second_hit():
+    with make_cache(device_slots=32, write_policy="write_through_selective") as c:
+        toks = list(range(16))
+        prefill(c, toks)
+        c.match_prefix(toks)
+        c.check_writes()
+        assert c.metrics.tokens_written == 16
+        (node,) = c.root.children.values()
+        assert node.host_value is not None
+
+
+def test_write_back_writes_on_eviction_only():
+    with make_cache(device_slots=32, write_policy="write_back") as c:
+        toks = list(range(16))
+        prefill(c, toks)
+        assert c.metrics.tokens_written == 0
+        assert c.evict(16) == 16
+        assert c.metrics.tokens_written == 16
+        m = c.match_prefix(toks)
+        assert m.host_hit_length == 16
+        c.load_back(m.last_host_node)
+        c.start_loading()
+        c.check_loads()
+        check_kv(c, toks, c.match_prefix(toks).device_indices)
+        c.verify()
+
+
+def test_load_back_threshold_and_budget():
+    with make_cache(device_slots=32, load_back_threshold=10) as c:
+        prefill(c, list(range(8)))
+        prefill(c, list(range(100, 120)))
+        c.check_writes()
+        c.evict(32)
+        short = c.match_prefix(list(range(8)))
+        assert c.load_back(short.last_host_node) is None  # 8 < threshold 10
+        long = c.match_prefix(list(range(100, 120)))
+        assert c.load_back(long.last_host_node, mem_quota=10) is None  # 20 > budget
+        assert c.metrics.load_backs_skipped == 2
+        assert c.load_back(long.last_host_node) is not None
+        c.start_loading()
+        c.check_loads()
+        c.verify()
+
+
+def test_load_back_without_device_room_is_skipped_and_changes_nothing():
+    """A load-back that cannot get device slots even after evicting (here: running requests hold most
+    of the pool, as a prefix larger than the pool would) returns None and leaves everything as it was."""
+    with make_cache(device_slots=16, host_ratio=4.0) as c:
+        toks = list(range(12))
+        prefill(c, toks)
+        c.check_writes()
+        c.evict(16)
+        held = c.device_pool.alloc(8)  # a running request's slots: not evictable
+        m = c.match_prefix(toks)
+        assert m.host_hit_length == 12
+        states = c.host_pool.state().clone()
+        assert c.load_back(m.last_host_node) is None
+        assert c.metrics.load_backs_skipped == 1
+        assert c.device_pool.available_size() == 8 and torch.equal(c.host_pool.state(), states)
+        assert m.last_host_node.value is None and m.last_host_node.lock_ref == 0
+        c.verify(external_device=held)
+        c.device_pool.free(held)
+
+
+def test_host_pool_full_refuses_backups_after_host_eviction():
+    with make_cache(device_slots=16, host_ratio=1.5) as c:  # host: 24 slots
+        prefill(c, list(range(16)))
+        c.check_writes()
+        c.evict(16)  # 16 tokens host-only
+        prefill(c, list(range(100, 116)))  # needs 16 host slots: 8 free -> evicts the host-only node
+        c.check_writes()
+        assert c.metrics.host_evicted_tokens == 16
+        c.verify()
+        m = c.match_prefix(list(range(16)))
+        assert m.host_hit_length == 0
+
+
+def test_device_pool_full_is_reported_to_the_caller():
+    with make_cache(device_slots=16) as c:
+        prefill(c, list(range(16)))
+        m = c.match_prefix(list(range(16)))
+        c.inc_lock_ref(m.last_device_node)
+        with pytest.raises(MemoryError):
+            prefill(c, list(range(100, 108)))
+        c.dec_lock_ref(m.last_device_node)
+        c.verify()
+
+
+@pytest.mark.parametrize(
+    ("policy", "first_evicted"),
+    [("lru", "b"), ("fifo", "a"), ("lfu", "b"), ("slru", "b"), ("priority", "c")],
+)
+def test_eviction_policies_pick_the_expected_victim(policy, first_evicted):
+    with make_cache(device_slots=48, eviction_policy=policy) as c:
+        seqs = {"a": list(range(0, 8)), "b": list(range(100, 108)), "c": list(range(200, 208))}
+        prefill(c, seqs["a"])
+        prefill(c, seqs["b"])
+        c.insert(seqs["c"], c.device_pool.alloc(8), priority=-1)
+        # a: created first, 4 hits; b: 1 hit, least recently used; c: priority -1, 3 hits, used last.
+        for _ in range(3):
+            c.match_prefix(seqs["a"])
+        c.match_prefix(seqs["c"])
+        c.match_prefix(seqs["c"])
+        c.check_writes()
+        c.evict(8)
+        gone = [name for name, s in seqs.items() if len(c.match_prefix(s).device_indices) == 0]
+        assert gone == [first_evicted], (policy, gone)
+
+
+def test_policy_lookup():
+    assert isinstance(get_policy("lru"), LRU) and isinstance(get_policy("lfu"), LFU)
+    assert isinstance(get_policy("slru"), SLRU) and isinstance(get_policy("fifo"), FIFO)
+    assert isinstance(get_policy("priority"), Priority)
+    custom = type("Custom", (), {"name": "x", "key": lambda self, n: (n.id,)})()
+    assert get_policy(custom) is custom
+    with pytest.raises(ValueError, match="eviction_policy"):
+        get_policy("random")
+    with pytest.raises(TypeError, match="eviction_policy"):
+        get_policy(3)
+
+
+def test_metrics_count_hits_per_tier():
+    with make_cache(device_slots=32) as c:
+        toks = list(range(20))
+        prefill(c, toks)
+        c.check_writes()
+        c.evict(10)
+        c.match_prefix(toks + [99])
+        m = c.metrics.as_dict()
+        assert m["device_hit_tokens"] == 0 and m["host_hit_tokens"] == 20 and m["miss_tokens"] >= 1
+        assert m["tokens_written"] == 20 and m["bytes_written"] == 20 * c.device_pool.bytes_per_slot
+        assert m["device_evicted_tokens"] == 20
+
+
+def test_threaded_cache_closes_cleanly():
+    before = threading.active_count()
+    c = make_cache(device_slots=32, threaded=True)
+    assert threading.active_count() == before + 2
+    for i in range(5):
+        prefill(c, list(range(i * 10, i * 10 + 6)))
+        c.check_writes()
+    c.flush()
+    c.verify()
+    c.close()
+    assert threading.active_count() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        c.controller.write(torch.arange(2), 1)
+
+
+def test_triton_backend_under_interpreter():
+    with make_cache(device_slots=16, io_backend="triton", page_size=4, layout="page_first_direct") as c:
+        toks = list(range(40, 52))
+        prefill(c, toks)
+        c.check_writes()
+        c.evict(16)
+        m = c.match_prefix(toks)
+        c.load_back(m.last_host_node)
+        c.start_loading()
+        c.check_loads()
+        check_kv(c, toks, c.match_prefix(toks).device_indices)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="io_backend"):
+        make_cache(io_backend="kernel")  # CPU pools: kernel needs a GPU
+    with pytest.raises(ValueError, match="io_backend"):
+        make_cache(io_backend="dma")
+    with pytest.raises(ValueError, match="write_policy"):
+        make_cache(write_policy="write_around")
+    with pytest.raises(ValueError, match="load_back_threshold"):
+        make_cache(load_back_threshold=-1)
