@@ -284,6 +284,13 @@ class HiCacheController:
                 q.task_done()
 
     def _execute(self, op: _Op) -> None:
+        if self.on_gpu:
+            with torch.cuda.device(self.device_pool.device):  # worker threads start on device 0
+                self._copy(op)
+        else:
+            self._copy(op)
+
+    def _copy(self, op: _Op) -> None:
         dp, hp = self.device_pool, self.host_pool
         stream = self._write_stream if op.kind == "write" else self._load_stream
         common = dict(layout=hp.layout, page_size=hp.page_size, backend=self.backend, stream=stream)
