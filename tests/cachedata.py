@@ -41,13 +41,16 @@ def kv_value(token: int, position: int, layer: int, kv: int) -> torch.Tensor:
     return torch.arange(HEAD_NUM * HEAD_DIM, dtype=torch.float32).reshape(HEAD_NUM, HEAD_DIM) + base
 
 
+def _layers(pool) -> list[torch.Tensor]:
+    if pool is None:
+        return []
+    return pool if isinstance(pool, list) else list(pool.unbind(0))
+
+
 def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start: int = 0) -> None:
     """Fill device slots with :func:`kv_value` of (token, position, layer) — as a forward pass would."""
     pool = cache.device_pool
-    layers_k = pool.device_k if isinstance(pool.device_k, list) else list(pool.device_k.unbind(0))
-    layers_v = [] if pool.device_v is None else (
-        pool.device_v if isinstance(pool.device_v, list) else list(pool.device_v.unbind(0))
-    )  # fmt: skip
+    layers_k, layers_v = _layers(pool.device_k), _layers(pool.device_v)
     h = layers_k[0].shape[1]
     for pos, (tok, slot) in enumerate(zip(tokens, slots.tolist(), strict=True), start=start):
         for layer in range(pool.num_layers):
@@ -58,10 +61,7 @@ def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start:
 
 def check_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor) -> None:
     pool = cache.device_pool
-    layers_k = pool.device_k if isinstance(pool.device_k, list) else list(pool.device_k.unbind(0))
-    layers_v = [] if pool.device_v is None else (
-        pool.device_v if isinstance(pool.device_v, list) else list(pool.device_v.unbind(0))
-    )  # fmt: skip
+    layers_k, layers_v = _layers(pool.device_k), _layers(pool.device_v)
     h = layers_k[0].shape[1]
     for pos, (tok, slot) in enumerate(zip(tokens, slots.tolist(), strict=True)):
         for layer in range(pool.num_layers):

@@ -17,22 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from cudatools import CUDA_HOME, cuobjdump
+
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 pytestmark = pytest.mark.build
-
-
-def cuobjdump() -> str:
-    found = shutil.which("cuobjdump") or (
-        str(CUDA_HOME / "bin" / "cuobjdump") if (CUDA_HOME / "bin" / "cuobjdump").exists() else None
-    )
-    if found:
-        return found
-    import triton  # its wheel ships cuobjdump
-
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    assert path.exists(), "no cuobjdump: install the CUDA toolkit or triton"
-    return str(path)
 
 
 def copy_sources(dst: Path) -> Path:

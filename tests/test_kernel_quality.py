@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -22,9 +21,9 @@ import pytest
 
 import hicache_kernels
 
+from cudatools import CUDA_HOME, NVCC, cuobjdump
+
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-NVCC = CUDA_HOME / "bin" / "nvcc"
 SIDES = ("Affine", "Table")
 VEC_BYTES = (16, 8, 4, 2, 1)
 UNROLL = 4  # kTransferUnroll in csrc/transfer.cuh: independent vectors in flight per lane
@@ -45,19 +44,6 @@ needs_nvcc = pytest.mark.skipif(not NVCC.exists(), reason=f"no nvcc under {CUDA_
 needs_extension = pytest.mark.skipif(
     not hicache_kernels.build_info()["cuda_built"], reason="the CUDA extension was not built (HICACHE_SKIP_CUDA)"
 )
-
-
-def cuobjdump() -> str:
-    found = shutil.which("cuobjdump") or (
-        str(CUDA_HOME / "bin" / "cuobjdump") if (CUDA_HOME / "bin" / "cuobjdump").exists() else None
-    )
-    if found:
-        return found
-    import triton  # its wheel ships cuobjdump
-
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    assert path.exists(), "no cuobjdump: install the CUDA toolkit or triton"
-    return str(path)
 
 
 def demangle(names: list[str]) -> dict[str, str]:
