@@ -71,13 +71,19 @@ cudaError_t memcpy_batch(const int64_t* dst, const int64_t* src, const int64_t* 
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
   size_t attr_index = 0;  // the one attribute applies from fragment 0 on
 #if CUDART_VERSION >= 13000
-  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), bytes.data(), bytes.size(), &attr,
-                              &attr_index, 1, stream);
+  const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), bytes.data(),
+                                               bytes.size(), &attr, &attr_index, 1, stream);
 #else
   size_t fail_index = 0;
-  return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), bytes.data(), bytes.size(), &attr,
-                              &attr_index, 1, &fail_index, stream);
+  const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), bytes.data(),
+                                               bytes.size(), &attr, &attr_index, 1, &fail_index,
+                                               stream);
 #endif
+  if (err != cudaSuccess) {
+    // The caller may fall back to other copies: leave no error behind for the next launch check.
+    (void)cudaGetLastError();
+  }
+  return err;
 #else
   (void)dst;
   (void)src;
