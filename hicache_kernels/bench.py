@@ -1,0 +1,622 @@
+"""``python -m hicache_kernels.bench``: compare io-backends on model-shaped KV pools.
+
+For each point of the sweep (model preset x page size x host layout x direction x backend, and the
+kernel's SM budget) it times the transfer of a fresh random set of pages per repeat with CUDA events
+after warm-up, and reports the median and quantiles, bytes moved, GB/s, and the ratio to the
+copy-engine ceiling measured in the same run (one contiguous pinned ``cudaMemcpyAsync`` of the same
+number of bytes in the same direction), plus kernel / direct and kernel / batch. ``--interference``
+times a GEMM alone and beside a running transfer; ``--overlap`` runs a simulated layer-by-layer
+forward pass that waits on the controller's LayerDoneCounter.
+
+Without a GPU it says so and runs the functional cross-check of the CPU-capable backends against
+the reference instead (no bandwidth is claimed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import benchutil, layouts
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}  # fmt: skip
+DIRECTIONS = {"backup_all": ("d2h", "all"), "load_layer": ("h2d", "layer"), "load_all": ("h2d", "all")}
+BACKENDS = ("kernel", "direct", "batch", "triton", "auto")
+COPY_ENGINE_BACKENDS = ("direct", "batch")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The KV shape of a model: per layer, per token, ``head_num x head_dim`` elements for K and V
+    (MLA: one latent vector of ``head_dim`` = kv_dim elements)."""
+
+    name: str
+    num_layers: int
+    head_num: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    mla: bool = False
+
+    @property
+    def item_bytes(self) -> int:
+        return self.head_num * self.head_dim * DTYPES[self.dtype].itemsize
+
+    @property
+    def num_kv(self) -> int:
+        return 1 if self.mla else 2
+
+
+PRESETS = {
+    "llama3-8b": ModelConfig("llama3-8b", 32, 8, 128),  # MHA with GQA: 8 KV heads of 128
+    "qwen3-32b": ModelConfig("qwen3-32b", 64, 8, 128),  # GQA: 64 layers, 8 KV heads
+    "deepseek-v3": ModelConfig("deepseek-v3", 61, 1, 576, mla=True),  # MLA: 512 latent + 64 rope dims
+}
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    model: ModelConfig
+    backend: str
+    direction: str  # backup_all / load_layer / load_all
+    layout: str
+    page_size: int
+    num_pages: int
+    sm_budget: int | None  # kernel/auto: blocks (at most that many SMs); copy engines: None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.page_size * self.num_pages
+
+
+def _csv_list(text: str, cast: Callable[[str], Any] = str) -> list[Any]:
+    return [cast(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hicache_kernels.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="llama3-8b", help=f"comma list of {', '.join(PRESETS)}, 'all', or 'custom'")
+    p.add_argument("--layers", type=int, help="custom model: layers")
+    p.add_argument("--kv-heads", type=int, help="custom model: KV heads (1 for MLA)")
+    p.add_argument("--head-dim", type=int, help="custom model: head dim (kv_dim for MLA)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="custom model: dtype")
+    p.add_argument("--mla", action="store_true", help="custom model: MLA (one latent vector per token)")
+    p.add_argument("--page-sizes", default="1,4,16,64,128", help="comma list of tokens per page")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens moved per point (pages = tokens / page size)")
+    p.add_argument("--layouts", default=",".join(layouts.LAYOUTS), help="comma list of host layouts")
+    p.add_argument("--directions", default=",".join(DIRECTIONS), help=f"comma list of {', '.join(DIRECTIONS)}")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of io-backends")
+    p.add_argument("--sm-budget", type=int, default=4, help="kernel blocks (SMs) for the main sweep")
+    p.add_argument("--sm-sweep", default="1,2,4,8,16", help="kernel SM budgets swept at one page size")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--interference", action="store_true", help="GEMM slowdown beside a transfer, per backend")
+    p.add_argument("--overlap", action="store_true", help="layer-wise load overlapped with a simulated forward")
+    p.add_argument("--quick", action="store_true", help="a reduced sweep (under 2 minutes on an H200)")
+    p.add_argument("--json", metavar="PATH", help="write every point and the run's tags as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write every point as CSV")
+    p.add_argument("--plot", metavar="PATH.png", help="plot GB/s vs page size per backend (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.page_sizes, args.tokens = "1,16,64", min(args.tokens, 2048)
+        args.layouts = "page_first_direct,layer_first"
+        args.sm_sweep, args.repeats, args.warmup = "1,2,4,8,16", min(args.repeats, 5), min(args.warmup, 2)
+        args.interference = args.overlap = True
+    return args
+
+
+def models_from_args(args: argparse.Namespace) -> list[ModelConfig]:
+    if args.preset == "custom":
+        missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
+        if missing:
+            raise SystemExit(f"--preset custom needs --{' --'.join(m.replace('_', '-') for m in missing)}")
+        return [ModelConfig("custom", args.layers, args.kv_heads, args.head_dim, args.dtype, args.mla)]
+    names = list(PRESETS) if args.preset == "all" else _csv_list(args.preset)
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        raise SystemExit(f"--preset: unknown {unknown}; choose from {', '.join(PRESETS)}, all, custom")
+    return [PRESETS[n] for n in names]
+
+
+def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
+    """Every point the arguments ask for, in run order."""
+    points = []
+    backends = _csv_list(args.backends)
+    for b in backends:
+        if b not in BACKENDS:
+            raise SystemExit(f"--backends: unknown {b!r}; choose from {', '.join(BACKENDS)}")
+    directions = _csv_list(args.directions)
+    for d in directions:
+        if d not in DIRECTIONS:
+            raise SystemExit(f"--directions: unknown {d!r}; choose from {', '.join(DIRECTIONS)}")
+    page_sizes = _csv_list(args.page_sizes, int)
+    for model in models_from_args(args):
+        for layout in _csv_list(args.layouts):
+            if model.mla and layout not in layouts.MLA_LAYOUTS:
+                continue
+            for page in page_sizes:
+                pages = max(1, args.tokens // page)
+                for direction in directions:
+                    for b in backends:
+                        sm = None if b in COPY_ENGINE_BACKENDS else args.sm_budget
+                        points.append(PointSpec(model, b, direction, layout, page, pages, sm))
+        # SM-budget sweep of the kernel at the middle page size, first layout.
+        if "kernel" in backends:
+            page = page_sizes[len(page_sizes) // 2]
+            layout = next(lo for lo in _csv_list(args.layouts) if not model.mla or lo in layouts.MLA_LAYOUTS)
+            for sm in _csv_list(args.sm_sweep, int):
+                if sm == args.sm_budget:
+                    continue
+                for direction in directions:
+                    points.append(PointSpec(model, "kernel", direction, layout, page, max(1, args.tokens // page), sm))
+    return points
+
+
+class Workload:
+    """Pools for one model, reused across points: a stacked device pool and one pinned host buffer
+    viewed in each layout's shape (pinning once, not per point)."""
+
+    def __init__(self, model: ModelConfig, tokens: int, device: torch.device, pin: bool, headroom: int = 4) -> None:
+        self.model = model
+        self.device = device
+        dtype = DTYPES[model.dtype]
+        self.slots = headroom * tokens + 128 * 4  # room for random pages of every page size up to 128
+        self.slots -= self.slots % 128
+        self.dev_k = torch.empty(
+            model.num_layers, self.slots, model.head_num, model.head_dim, dtype=dtype, device=device
+        )
+        self.dev_v = None if model.mla else torch.empty_like(self.dev_k)
+        n = model.num_kv * model.num_layers * self.slots * model.head_num * model.head_dim
+        # Contents do not matter for timing (correctness is the tests' job): left uninitialised.
+        self.host_flat = torch.empty(n, dtype=dtype, pin_memory=pin)
+
+    def host(self, layout: str, page_size: int) -> torch.Tensor:
+        shape = layouts.host_shape(
+            layout, mla=self.model.mla, num_layers=self.model.num_layers, num_slots=self.slots, page_size=page_size,
+            head_num=self.model.head_num, head_dim=self.model.head_dim,
+        )  # fmt: skip
+        return self.host_flat.view(shape)
+
+    def indices(self, page_size: int, num_pages: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random distinct pages on each side (a random token permutation when page_size is 1)."""
+        pages = self.slots // page_size
+        off = torch.arange(page_size)
+        d = (torch.randperm(pages, generator=gen)[:num_pages, None] * page_size + off).reshape(-1)
+        h = (torch.randperm(pages, generator=gen)[:num_pages, None] * page_size + off).reshape(-1)
+        return d, h
+
+
+def _backend_object(spec: PointSpec):
+    from .backends import AutoBackend, KernelBackend, get_backend
+
+    if spec.backend == "kernel":
+        return KernelBackend(num_blocks=spec.sm_budget)
+    if spec.backend == "auto":
+        auto = AutoBackend()
+        auto.kernel = KernelBackend(num_blocks=spec.sm_budget)
+        return auto
+    return get_backend(spec.backend)
+
+
+def transfer_fn(spec: PointSpec, work: Workload, stream: Any, gen: torch.Generator):
+    """``(prepare, run, bytes)`` for one point: ``prepare`` draws fresh indices (untimed), ``run``
+    moves them. Copy-engine backends get host indices (they plan on the host); the others get
+    device indices, as a scheduler holding them on the GPU would pass."""
+    from . import ops
+
+    direction, scope = DIRECTIONS[spec.direction]
+    host = work.host(spec.layout, spec.page_size)
+    backend = _backend_object(spec)
+    on_host = spec.backend in COPY_ENGINE_BACKENDS or work.device.type == "cpu"
+    state: dict[str, torch.Tensor] = {}
+
+    def prepare() -> None:
+        d, h = work.indices(spec.page_size, spec.num_pages, gen)
+        state["d"], state["h"] = (d, h) if on_host else (d.to(work.device), h.to(work.device))
+
+    def run() -> None:
+        ops.transfer(
+            direction, work.dev_k, work.dev_v, host, state["d"], state["h"], layout=spec.layout,
+            page_size=spec.page_size, layer_id=0 if scope == "layer" else None, backend=backend, stream=stream,
+            check_indices=False,
+        )  # fmt: skip
+
+    layers = 1 if scope == "layer" else spec.model.num_layers
+    nbytes = spec.num_tokens * layers * spec.model.num_kv * spec.model.item_bytes
+    return prepare, run, nbytes, backend
+
+
+def ceiling_fn(nbytes: int, direction: str, work: Workload, scratch: dict[str, torch.Tensor]):
+    """One contiguous pinned copy of ``nbytes`` in ``direction``: the copy-engine ceiling."""
+    host = work.host_flat.view(torch.uint8)[:nbytes]
+    if "dev" not in scratch or scratch["dev"].numel() < nbytes:
+        scratch["dev"] = torch.empty(nbytes, dtype=torch.uint8, device=work.device)
+    dev = scratch["dev"][:nbytes]
+    if direction == "d2h":
+        return lambda: host.copy_(dev, non_blocking=True)
+    return lambda: dev.copy_(host, non_blocking=True)
+
+
+def run_sweep(
+    specs: list[PointSpec],
+    *,
+    device: torch.device,
+    timer: benchutil.Timer,
+    repeats: int,
+    warmup: int,
+    stream: Any = None,
+    seed: int = 0,
+    tokens: int = 4096,
+    progress: benchutil.Progress | None = None,
+    pin: bool = True,
+) -> list[dict[str, Any]]:
+    """Measure every spec; returns the points (see module docstring for the fields)."""
+    gen = torch.Generator().manual_seed(seed)
+    work: dict[str, Workload] = {}
+    ceilings: dict[tuple[str, int], benchutil.Stats] = {}
+    scratch: dict[str, torch.Tensor] = {}
+    points = []
+    for spec in specs:
+        if spec.model.name not in work:
+            work.clear()  # one model's pools at a time
+            scratch.clear()
+            work[spec.model.name] = Workload(spec.model, tokens, device, pin)
+        w = work[spec.model.name]
+        direction, scope = DIRECTIONS[spec.direction]
+        prepare, run, nbytes, backend = transfer_fn(spec, w, stream, gen)
+        stats = benchutil.measure(run, timer=timer, repeats=repeats, warmup=warmup, prepare=prepare)
+        key = (direction, nbytes)
+        if key not in ceilings:
+            ceilings[key] = benchutil.measure(ceiling_fn(nbytes, direction, w, scratch), timer=timer,
+                                              repeats=repeats, warmup=warmup)  # fmt: skip
+        ceiling = ceilings[key]
+        point = {
+            "kind": "transfer",
+            "model": spec.model.name,
+            "backend": spec.backend,
+            "direction": direction,
+            "scope": scope,
+            "op": spec.direction,
+            "layout": spec.layout,
+            "page_size": spec.page_size,
+            "item_bytes": spec.model.item_bytes,
+            "num_pages": spec.num_pages,
+            "tokens": spec.num_tokens,
+            "bytes": nbytes,
+            **stats.as_dict(),
+            "gbps": benchutil.gbps(nbytes, stats.median_ms),
+            "ceiling_median_ms": ceiling.median_ms,
+            "ceiling_gbps": benchutil.gbps(nbytes, ceiling.median_ms),
+            "sm_budget": spec.sm_budget,
+        }
+        point["ratio_to_ceiling"] = point["gbps"] / point["ceiling_gbps"]
+        if spec.backend == "auto":
+            point["auto_choice"] = getattr(backend, "last_choice", None)
+        if spec.backend == "batch":
+            point["batch_fallback"] = getattr(backend, "last_fallback", None)
+        points.append(point)
+        if progress:
+            progress.step(f"{spec.backend} {spec.direction} p{spec.page_size} {spec.layout}")
+    add_ratios(points)
+    return points
+
+
+def add_ratios(points: list[dict[str, Any]]) -> None:
+    """kernel / direct and kernel / batch speedups (median time ratios) on matching kernel points."""
+    index = {}
+    for p in points:
+        if p.get("kind") == "transfer":
+            index[(p["model"], p["backend"], p["op"], p["layout"], p["page_size"])] = p
+    for p in points:
+        if p.get("kind") != "transfer" or p["backend"] != "kernel":
+            continue
+        for other in ("direct", "batch"):
+            q = index.get((p["model"], other, p["op"], p["layout"], p["page_size"]))
+            p[f"kernel_over_{other}"] = q["median_ms"] / p["median_ms"] if q and p["median_ms"] > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------- GPU-only parts
+def _transfer_loop(run: Callable[[], None], stream: Any, stop: threading.Event) -> None:
+    """Keep one transfer in flight on ``stream`` until ``stop`` is set."""
+    while not stop.is_set():
+        run()
+        stream.synchronize()
+
+
+def interference(args: argparse.Namespace, model: ModelConfig, backends: list[str], repeats: int) -> list[dict]:
+    """GEMM time alone and beside a continuously running backup on another stream, per backend."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(args.seed)
+    work = Workload(model, args.tokens, device, pin=True)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    compute = torch.cuda.Stream()
+    timer = benchutil.CudaEventTimer(compute)
+
+    def gemm() -> None:
+        with torch.cuda.stream(compute):
+            torch.mm(a, b)
+
+    alone = benchutil.measure(gemm, timer=timer, repeats=repeats, warmup=3)
+    points = []
+    for name in backends:
+        spec = PointSpec(model, name, "backup_all", "page_first_direct", 16, max(1, args.tokens // 16),
+                         None if name in COPY_ENGINE_BACKENDS else args.sm_budget)  # fmt: skip
+        side = torch.cuda.Stream()
+        prepare, run, nbytes, _ = transfer_fn(spec, work, side, gen)
+        prepare()
+        stop = threading.Event()
+
+        t = threading.Thread(target=_transfer_loop, args=(run, side, stop), daemon=True)
+        t.start()
+        time.sleep(0.05)
+        beside = benchutil.measure(gemm, timer=timer, repeats=repeats, warmup=1)
+        stop.set()
+        t.join(30)
+        points.append({
+            "kind": "interference", "model": model.name, "backend": name, "gemm_alone_ms": alone.median_ms,
+            "gemm_beside_ms": beside.median_ms, "slowdown": beside.median_ms / alone.median_ms - 1.0,
+            "sm_budget": spec.sm_budget, "transfer_bytes": nbytes,
+        })  # fmt: skip
+    return points
+
+
+def overlap(args: argparse.Namespace, model: ModelConfig, backend: str, repeats: int) -> dict[str, Any]:
+    """Simulated forward: one matmul per layer sized to take about 1.25x a layer's load; compares
+    compute alone, load-all-then-compute, and layer-wise load waited on per layer."""
+    from hicache import DeviceKVPool, HiCacheController, HostKVPool
+
+    from . import ops
+
+    page = 16
+    tokens = max(page, args.tokens - args.tokens % page)
+    dev = DeviceKVPool(num_slots=2 * tokens, num_layers=model.num_layers, head_num=model.head_num,
+                       head_dim=model.head_dim, dtype=DTYPES[model.dtype], device="cuda", page_size=page,
+                       mla=model.mla)  # fmt: skip
+    host = HostKVPool(dev, layout="page_first_direct", ratio=2.0, pin_memory=True)
+    ctrl = HiCacheController(dev, host, io_backend=backend, threaded=True)
+    d_idx, h_idx = dev.alloc(tokens), host.alloc(tokens)
+    host.mark_writing(h_idx)
+    host.mark_synced(h_idx)
+    timer = benchutil.CudaEventTimer()
+
+    def load_layer0() -> None:
+        ops.load_layer(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layer_id=0, layout=host.layout,
+                       page_size=page, backend=backend)  # fmt: skip
+
+    layer_ms = benchutil.measure(load_layer0, timer=timer, repeats=repeats).median_ms
+    for n in (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384):  # the first GEMM at least 1.25x a layer's load
+        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        if benchutil.measure(lambda x=x: torch.mm(x, x), timer=timer, repeats=3).median_ms >= 1.25 * layer_ms:
+            break
+
+    def forward() -> None:
+        for _ in range(model.num_layers):
+            torch.mm(x, x)
+
+    def wall(fn: Callable[[], None]) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    def load_then_compute() -> None:
+        ops.load_all_layers(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layout=host.layout,
+                            page_size=page, backend=backend)  # fmt: skip
+        forward()
+
+    def overlapped() -> None:
+        ctrl.load(h_idx, d_idx, node_id=1)
+        ctrl.start_loading()
+        for layer in range(model.num_layers):
+            ctrl.layer_counter.wait_until(layer)
+            torch.mm(x, x)
+        torch.cuda.synchronize()
+        ctrl.flush()
+        ctrl.finished_loads()
+        host.mark_synced(h_idx)
+
+    results = {}
+    for name, fn in (("compute_ms", forward), ("load_then_compute_ms", load_then_compute),
+                     ("overlapped_ms", overlapped)):  # fmt: skip
+        fn()
+        results[name] = benchutil.summarize([wall(fn) for _ in range(repeats)]).median_ms
+    ctrl.close()
+    load_all = benchutil.measure(
+        lambda: ops.load_all_layers(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layout=host.layout,
+                                    page_size=page, backend=backend), timer=timer, repeats=repeats,
+    ).median_ms  # fmt: skip
+    return {
+        "kind": "overlap", "model": model.name, "backend": backend, "tokens": tokens, "gemm_n": n,
+        "layer_load_ms": layer_ms, "load_all_ms": load_all, **results,
+        "overlap_ratio": results["overlapped_ms"] / results["compute_ms"],
+        "transfer_le_compute": load_all <= results["compute_ms"],
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- CPU check
+def _check_case(backend: str, layout: str, mla: bool, direction: str, scope: str, gen: torch.Generator) -> dict:
+    from . import ops
+    from .reference import reference_transfer
+
+    L, H, D, page, n_dev, n_host = 3, 1 if mla else 2, 8, 4, 32, 16
+    shape = layouts.host_shape(layout, mla=mla, num_layers=L, num_slots=n_host, page_size=page, head_num=H, head_dim=D)
+    k = torch.randn(L, n_dev, H, D, generator=gen).half()
+    v = None if mla else torch.randn(L, n_dev, H, D, generator=gen).half()
+    host = torch.randn(shape, generator=gen).half()
+    d_idx = torch.randperm(n_dev, generator=gen)[:8]
+    h_idx = torch.randperm(n_host, generator=gen)[:8]
+    layer = 1 if scope == "layer" else None
+    expected = [k.clone(), None if v is None else v.clone(), host.clone()]
+    reference_transfer(
+        direction=direction, device_k=list(expected[0]), device_v=None if v is None else list(expected[1]),
+        host=expected[2], device_indices=d_idx, host_indices=h_idx, layout=layout, page_size=page,
+        layers=range(L) if layer is None else [layer],
+    )  # fmt: skip
+    error = None
+    try:
+        ops.transfer(direction, k, v, host, d_idx, h_idx, layout=layout, page_size=page, layer_id=layer,
+                     backend=backend)  # fmt: skip
+        ok = all(got is None or torch.equal(got, want) for got, want in zip((k, v, host), expected, strict=True))
+    except Exception as exc:  # reported, not hidden
+        ok, error = False, f"{type(exc).__name__}: {exc}"
+    return {"backend": backend, "layout": layout, "mla": mla, "direction": direction, "scope": scope, "ok": ok,
+            "error": error}  # fmt: skip
+
+
+def functional_check(seed: int = 0) -> list[dict[str, Any]]:
+    """Every CPU-capable backend against the reference on a small pool: correctness only."""
+    gen = torch.Generator().manual_seed(seed)
+    backends = ["direct", "batch", "auto"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    return [
+        _check_case(backend, layout, mla, direction, scope, gen)
+        for mla in (False, True)
+        for layout in (layouts.MLA_LAYOUTS if mla else layouts.LAYOUTS)
+        for direction, scope in DIRECTIONS.values()
+        for backend in backends
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- output
+TRANSFER_FIELDS = {
+    "backend": str, "direction": str, "scope": str, "layout": str, "page_size": int, "item_bytes": int,
+    "num_pages": int, "bytes": int, "median_ms": float, "gbps": float, "ceiling_gbps": float,
+}  # fmt: skip
+
+
+def validate_bench_json(doc: dict[str, Any]) -> list[str]:
+    """Problems with a bench JSON document (empty when it is well formed)."""
+    errors = []
+    if set(doc) < {"meta", "points"}:
+        return [f"top level: expected keys meta and points, got {sorted(doc)}"]
+    for key in ("tool", "time_utc", "package_version", "git_commit", "torch", "gpu", "driver"):
+        if key not in doc["meta"]:
+            errors.append(f"meta: missing {key!r}")
+    for i, p in enumerate(doc["points"]):
+        if p.get("kind") != "transfer":
+            continue
+        for key, typ in TRANSFER_FIELDS.items():
+            if not isinstance(p.get(key), typ) or isinstance(p.get(key), bool):
+                errors.append(f"points[{i}].{key}: expected {typ.__name__}, got {p.get(key)!r}")
+        if p.get("direction") not in ("d2h", "h2d") or p.get("scope") not in ("layer", "all"):
+            errors.append(f"points[{i}]: direction/scope {p.get('direction')}/{p.get('scope')}")
+        if "sm_budget" not in p or (p["backend"] in COPY_ENGINE_BACKENDS and p["sm_budget"] is not None):
+            errors.append(f"points[{i}].sm_budget: expected null for copy-engine backends, an int otherwise")
+        if isinstance(p.get("gbps"), float) and isinstance(p.get("median_ms"), float) and p["median_ms"] > 0:
+            expect = p["bytes"] / (p["median_ms"] * 1e-3) / 1e9
+            if abs(p["gbps"] - expect) > 1e-6 * max(1.0, expect):
+                errors.append(f"points[{i}].gbps: {p['gbps']} inconsistent with bytes/median_ms ({expect})")
+    return errors
+
+
+def plot(path: str, points: list[dict[str, Any]], sm_budget: int | None = None) -> None:
+    """GB/s vs page size per backend, one panel per (model, op, layout), the ceiling dashed. Kernel
+    points are those of ``sm_budget`` (the main sweep's) when given."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"--plot needs matplotlib: pip install matplotlib ({exc})") from exc
+    transfer = [p for p in points if p.get("kind") == "transfer"]
+    panels = sorted({(p["model"], p["op"], p["layout"]) for p in transfer})
+    if not panels:
+        raise SystemExit("--plot: no transfer points to plot")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False)
+    for ax, (model, op, layout) in zip(axes[:, 0], panels, strict=True):
+        sel = [p for p in transfer if (p["model"], p["op"], p["layout"]) == (model, op, layout)]
+        for backend in sorted({p["backend"] for p in sel}):
+            pts = [p for p in sel if p["backend"] == backend]
+            if backend == "kernel" and sm_budget is not None:
+                pts = [p for p in pts if p["sm_budget"] == sm_budget]
+            pts.sort(key=lambda p: p["page_size"])
+            if pts:
+                ax.plot([p["page_size"] for p in pts], [p["gbps"] for p in pts], marker="o", label=backend)
+        ceil = sorted(sel, key=lambda p: p["page_size"])
+        ax.plot([p["page_size"] for p in ceil], [p["ceiling_gbps"] for p in ceil], "k--", label="copy-engine ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("page size (tokens)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{model}: {op}, {layout}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+TABLE = [
+    ("model", "model"), ("op", "op"), ("layout", "layout"), ("page_size", "page"), ("backend", "backend"),
+    ("sm_budget", "SMs"), ("median_ms", "ms"), ("gbps", "GB/s"), ("ceiling_gbps", "ceil"),
+    ("ratio_to_ceiling", "/ceil"), ("kernel_over_direct", "k/direct"), ("kernel_over_batch", "k/batch"),
+]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    specs = plan_sweep(args)
+    meta = benchutil.run_meta("bench", vars(args))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the functional check runs Triton on CPU tensors
+        print("hicache-kernels bench: bandwidth needs a CUDA GPU, and none is visible here "
+              f"({meta.get('driver') or 'no driver'}; torch {torch.__version__}).")  # fmt: skip
+        print("Running the functional cross-check of the CPU-capable backends instead (correctness only, no GB/s):")
+        checks = functional_check(args.seed)
+        rows = {}
+        for c in checks:
+            r = rows.setdefault(c["backend"], {"backend": c["backend"], "cases": 0, "passed": 0})
+            r["cases"] += 1
+            r["passed"] += int(c["ok"])
+        print(benchutil.format_table(list(rows.values()), [("backend", "backend"), ("cases", "cases"),
+                                                           ("passed", "passed")]))  # fmt: skip
+        for c in checks:
+            if not c["ok"]:
+                print(f"  FAILED {c}")
+        if args.json:
+            benchutil.write_json(args.json, meta, [], mode="cpu-functional-check", functional_check=checks)
+        return 0 if all(c["ok"] for c in checks) else 1
+    torch.cuda.init()
+    stream = torch.cuda.Stream()  # batch refuses the legacy default stream
+    progress = benchutil.Progress(len(specs), "bench")
+    points = run_sweep(specs, device=torch.device("cuda"), timer=benchutil.CudaEventTimer(stream),
+                       repeats=args.repeats, warmup=args.warmup, stream=stream, seed=args.seed,
+                       tokens=args.tokens, progress=progress)  # fmt: skip
+    progress.close()
+    models = models_from_args(args)
+    if args.interference:
+        points += interference(args, models[0], [b for b in _csv_list(args.backends) if b != "triton"], args.repeats)
+    if args.overlap:
+        points.append(overlap(args, models[0], "kernel" if "kernel" in args.backends else "direct", args.repeats))
+    print(benchutil.format_table([p for p in points if p["kind"] == "transfer"], TABLE))
+    for p in points:
+        if p["kind"] == "interference":
+            print(f"GEMM slowdown beside {p['backend']}: {100 * p['slowdown']:.1f}% "
+                  f"({p['gemm_alone_ms']:.3f} -> {p['gemm_beside_ms']:.3f} ms)")  # fmt: skip
+        elif p["kind"] == "overlap":
+            print(f"layer-wise overlap ({p['backend']}): compute {p['compute_ms']:.2f} ms, load-then-compute "
+                  f"{p['load_then_compute_ms']:.2f} ms, overlapped {p['overlapped_ms']:.2f} ms "
+                  f"(x{p['overlap_ratio']:.3f} of compute; load-all {p['load_all_ms']:.2f} ms)")  # fmt: skip
+    if args.json:
+        benchutil.write_json(args.json, meta, points)
+    if args.csv:
+        benchutil.write_csv(args.csv, meta, points)
+    if args.plot:
+        plot(args.plot, points, args.sm_budget)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["PRESETS", "ModelConfig", "PointSpec", "main", "plan_sweep", "run_sweep", "validate_bench_json"]
