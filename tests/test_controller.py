@@ -43,6 +43,22 @@ def test_layer_done_counter_blocks_until_the_layer_is_loaded():
     assert seen == [0, 1, 2] and counter.layers_done == 3
 
 
+def test_layer_done_counter_keeps_overlapping_batches_apart():
+    counter = LayerDoneCounter(2)
+    first = counter.start()
+    second = counter.start()
+    counter.layer_done(0, generation=first)
+    counter.layer_done(1, generation=first)  # the old batch completes...
+    with pytest.raises(TimeoutError):
+        counter.wait_until(0, timeout=0.01)  # ...which says nothing about the newest one
+    counter.layer_done(0, generation=second)
+    counter.wait_until(0)
+    counter.wait_until(1, generation=first)  # a finished batch stays ready
+    assert counter.layers_done == 1
+    with pytest.raises(ValueError, match="generation"):
+        counter.layer_done(0, generation=99)
+
+
 def test_layer_done_counter_times_out():
     counter = LayerDoneCounter(2)
     counter.start()
@@ -55,7 +71,10 @@ def test_load_ticks_layers_in_order():
     ctrl = HiCacheController(dev, host, io_backend="direct", threaded=False)
     ticks = []
     original = ctrl.layer_counter.layer_done
-    ctrl.layer_counter.layer_done = lambda layer, stream=None: (ticks.append(layer), original(layer, stream))
+    ctrl.layer_counter.layer_done = lambda layer, stream=None, generation=None: (
+        ticks.append(layer),
+        original(layer, stream, generation),
+    )
     slots = dev.alloc(4)
     hs = ctrl.write(slots, node_id=1)
     assert ctrl.finished_writes() == [1]

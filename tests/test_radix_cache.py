@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hicache import FIFO, LFU, LRU, SLRU, Priority, get_policy
+from hicache_kernels.layouts import LAYOUTS, MLA_LAYOUTS
 
 from cachedata import check_kv, make_cache, prefill
 
@@ -47,13 +48,15 @@ def test_page_aligned_keys():
         c.verify()
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
-@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+LAYOUT_KINDS = [(lo, False) for lo in LAYOUTS] + [(lo, True) for lo in MLA_LAYOUTS]  # page_head: MHA only
+
+
+@pytest.mark.parametrize(
+    ("layout", "mla"), LAYOUT_KINDS, ids=[f"{lo}-{'mla' if m else 'mha'}" for lo, m in LAYOUT_KINDS]
+)
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
 def test_backup_evict_load_back_reproduces_kv(layout, mla, stacked):
     """The KV that comes back after backup -> device eviction -> load_back is what was written."""
-    if mla and layout == "page_head":
-        pytest.skip("page_head is undefined for MLA (refused by the pools)")
     with make_cache(device_slots=32, page_size=4, layout=layout, mla=mla, stacked=stacked) as c:
         toks = list(range(300, 324))
         prefill(c, toks)

@@ -73,11 +73,14 @@ class CacheMetrics:
 
 
 class LayerDoneCounter:
-    """Per-layer completion of the current load batch.
+    """Per-layer completion of load batches.
 
-    The loader calls :meth:`layer_done` after issuing each layer's copy; the forward pass calls
-    :meth:`wait_until` before reading a layer. On a GPU this is a CUDA event per layer (recorded on
-    the load stream, waited on by the consumer's stream: the host never blocks); on CPU a condition
+    :meth:`start` opens a batch (a *generation*); the loader calls :meth:`layer_done` with that
+    generation after issuing each layer's copy; the forward pass calls :meth:`wait_until` before
+    reading a layer, for the newest batch unless told otherwise. Batches may overlap (a new one can
+    start while an older one is still loading): each keeps its own count, so an older batch's layers
+    never count for a newer one. On a GPU each layer is a CUDA event (recorded on the load stream,
+    waited on by the consumer's stream: the host does not block on the copy); on CPU a condition
     variable.
     """
 
@@ -85,40 +88,52 @@ class LayerDoneCounter:
         self.num_layers = num_layers
         self.cuda = device is not None and device.type == "cuda"
         self._cond = threading.Condition()
-        self._done = num_layers  # nothing in flight: every layer is ready
         self._generation = 0
-        self._events: list[Any] = []
+        self._done: dict[int, int] = {}  # generation -> layers done (complete old ones are dropped)
+        self._events: dict[int, list[Any]] = {}
 
     def start(self) -> int:
-        """Begin a new load batch (all layers pending); returns its generation number."""
+        """Open a new load batch (all layers pending); returns its generation number."""
         with self._cond:
             self._generation += 1
-            self._done = 0
-            self._events = [None] * self.num_layers
+            self._done[self._generation] = 0
+            self._events[self._generation] = [None] * self.num_layers
             return self._generation
 
-    def layer_done(self, layer: int, stream: Any = None) -> None:
+    def layer_done(self, layer: int, stream: Any = None, generation: int | None = None) -> None:
         with self._cond:
+            gen = self._generation if generation is None else generation
+            if gen not in self._done:
+                raise ValueError(f"generation: {gen} is not a load batch in progress")
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record(stream)
-                self._events[layer] = ev
-            self._done = max(self._done, layer + 1)
+                self._events[gen][layer] = ev
+            self._done[gen] = max(self._done[gen], layer + 1)
+            if self._done[gen] == self.num_layers and gen != self._generation:
+                del self._done[gen], self._events[gen]  # an older batch, complete: nobody waits on it now
             self._cond.notify_all()
 
-    def wait_until(self, layer: int, timeout: float | None = 60.0) -> None:
-        """Block (CPU) or make the current CUDA stream wait (GPU) until ``layer`` has loaded."""
+    def _layers_done(self, gen: int) -> int:
+        return self._done.get(gen, self.num_layers)  # dropped (complete) or never started: all ready
+
+    def wait_until(self, layer: int, timeout: float | None = 60.0, generation: int | None = None) -> None:
+        """Block (CPU) or make the current CUDA stream wait (GPU) until ``layer`` of the batch
+        ``generation`` (default: the newest) has loaded. Returns at once when no batch was started."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._done > layer, timeout=timeout):
-                raise TimeoutError(f"layer {layer} of load generation {self._generation} did not finish")
-            ev = self._events[layer] if self.cuda and self._events else None
+            gen = self._generation if generation is None else generation
+            if not self._cond.wait_for(lambda: self._layers_done(gen) > layer, timeout=timeout):
+                raise TimeoutError(f"layer {layer} of load generation {gen} did not finish")
+            events = self._events.get(gen)
+            ev = events[layer] if self.cuda and events else None
         if ev is not None:
             torch.cuda.current_stream().wait_event(ev)
 
     @property
     def layers_done(self) -> int:
+        """Layers of the newest batch that have loaded."""
         with self._cond:
-            return self._done
+            return self._layers_done(self._generation)
 
 
 @dataclass
@@ -128,6 +143,7 @@ class _Op:
     host_indices: torch.Tensor
     node_ids: list[int]
     ready: Any = None  # CUDA event the copy must wait for (data produced on the scheduler's stream)
+    generation: int = 0  # the LayerDoneCounter batch of a load
 
 
 _STOP = object()
@@ -226,13 +242,15 @@ class HiCacheController:
         ev.record()  # the scheduler's current stream produced (or will read) the device KV
         return ev
 
-    def write(self, device_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
+    def write(self, device_indices: torch.Tensor, node_id: int, count_refusal: bool = True) -> torch.Tensor | None:
         """Back up ``device_indices`` into newly allocated host slots; returns them (state WRITING
-        until the ack is processed) or None when the host pool has no room."""
+        until the ack is processed) or None when the host pool has no room (counted in
+        ``metrics.writes_refused_host_full`` unless ``count_refusal`` is False: a caller that will
+        make room and retry counts only its final outcome)."""
         self._check_open()
         host_indices = self.host_pool.alloc(len(device_indices))
         if host_indices is None:
-            self.metrics.writes_refused_host_full += 1
+            self.metrics.writes_refused_host_full += int(count_refusal)
             return None
         self.host_pool.mark_writing(host_indices)
         op = _Op("write", device_indices, host_indices, [node_id], self._ready_event())
@@ -260,9 +278,9 @@ class HiCacheController:
             [i for p in pending for i in p.node_ids],
             self._ready_event(),
         )
-        generation = self.layer_counter.start()
+        op.generation = self.layer_counter.start()
         self._submit(self._load_queue, op)
-        return generation
+        return op.generation
 
     def _submit(self, q: queue.Queue, op: _Op) -> None:
         if self.threaded:
@@ -304,11 +322,11 @@ class HiCacheController:
                 ops.load_layer(
                     dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, layer_id=layer, **common
                 )
-                self.layer_counter.layer_done(layer, stream)
+                self.layer_counter.layer_done(layer, stream, op.generation)
         else:
             ops.load_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
             for layer in range(dp.num_layers):
-                self.layer_counter.layer_done(layer, stream)
+                self.layer_counter.layer_done(layer, stream, op.generation)
         if stream is not None:
             stream.synchronize()  # the ack promises the data has landed
         elapsed = time.perf_counter() - start

@@ -304,7 +304,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ backups and acks
     def _backup(self, node: TreeNode) -> bool:
-        host = self.controller.write(node.value, node.id)
+        host = self.controller.write(node.value, node.id, count_refusal=False)
         if host is None:
             self.evict_host(len(node.value))
             host = self.controller.write(node.value, node.id)
@@ -431,8 +431,9 @@ class HiRadixCache:
 
         Returns the new device slots (in prefix order; the copy starts with :meth:`start_loading` and
         the nodes stay locked until its ack is processed), or None when skipped: nothing to load,
-        fewer than ``load_back_threshold`` tokens, more than ``mem_quota`` tokens, or no device room
-        even after eviction. The skip decision is agreed across TP ranks.
+        fewer than ``load_back_threshold`` tokens, more than ``mem_quota`` tokens, or more than the
+        free plus evictable device slots (then nothing is evicted). The skip decision is agreed
+        across TP ranks.
         """
         path: list[TreeNode] = []
         x = node
@@ -450,10 +451,14 @@ class HiRadixCache:
         # Lock the whole path first: eviction below must neither take the device ancestor nor (through a
         # write-back's host eviction) the host-only nodes we are about to load.
         self.inc_lock_ref(node)
-        device = self.device_pool.alloc(total)
-        if device is None:
-            self.evict(total - self.device_pool.available_size())
+        device = None
+        available = self.device_pool.available_size()
+        # Evict only when that can make enough room: a load-back that cannot fit changes nothing.
+        if total <= available + (self.evictable_size() if total > available else 0):
             device = self.device_pool.alloc(total)
+            if device is None:
+                self.evict(total - available)
+                device = self.device_pool.alloc(total)
         if not self.controller.agree_min(device is not None):
             if device is not None:
                 self.device_pool.free(device)

@@ -1,0 +1,835 @@
+"""Randomized stress tests of HiRadixCache + HiCacheController on tiny CPU pools.
+
+A driver applies random operations (requests that match / allocate / insert, locks and unlocks of
+matched nodes, device and host eviction, load-backs, polls of the controller's acks, flushes) and,
+after every step, checks the tree against its own invariants (``HiRadixCache.verify``) and against
+what the driver knows: exact lock counts (one per lock the driver holds, per request in flight, per
+copy in flight), the host slot state machine (WRITING / LOADING exactly for copies in flight), slot
+accounting of both pools, and the KV bytes of device-resident nodes (derived from token id, position
+and layer, so they must survive backup -> device eviction -> load-back unchanged).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache import DeviceKVPool, HiRadixCache, HostKVPool, SlotState
+from hicache.radix_cache import TreeNode
+
+from cachedata import check_kv, kv_value
+
+# Tiny heads: the KV of a token is 2 layers x 1 head x 4 elements. HEAD_DIM 4 (cachedata's) so that
+# cachedata.kv_value / check_kv describe the same bytes the vectorized helpers below write and check.
+L, H, D = 2, 1, 4
+VOCAB = 3  # few token ids: sequences share prefixes often
+POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+def build(
+    *,
+    device_slots: int = 48,
+    host_ratio: float = 2.5,
+    page_size: int = 1,
+    write_policy: str = "write_through",
+    eviction_policy: str = "lru",
+    threaded: bool = False,
+    load_back_threshold: int = 1,
+    layout: str = "page_first",
+    tp_group=None,
+) -> HiRadixCache:
+    dev = DeviceKVPool(
+        num_slots=device_slots, num_layers=L, head_num=H, head_dim=D, dtype=torch.float32, device="cpu",
+        page_size=page_size,
+    )  # fmt: skip
+    host = HostKVPool(dev, layout=layout, ratio=host_ratio)
+    return HiRadixCache(
+        dev, host, io_backend="direct", write_policy=write_policy, eviction_policy=eviction_policy,
+        threaded=threaded, load_back_threshold=load_back_threshold, tp_group=tp_group,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV data: vectorized twins of cachedata.kv_value / write_kv / check_kv
+# ---------------------------------------------------------------------------------------------------
+
+_HEAD = torch.arange(H * D, dtype=torch.float32).reshape(H, D)
+_LAYER_KV = torch.tensor([[layer * 10 + kv for layer in range(L)] for kv in (0, 1)], dtype=torch.float32)
+
+
+def expected_kv(tokens: list[int] | tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
+    """``[2 (k/v), L, n, H, D]``: cachedata.kv_value(token, position, layer, kv) for every token."""
+    tok = torch.tensor(tokens, dtype=torch.float32)
+    base = tok * 1_000_000 + positions.to(torch.float32) * 1_000  # exact in float32: < 2**24
+    return base[None, None, :, None, None] + _LAYER_KV[:, :, None, None, None] + _HEAD
+
+
+def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start: int) -> None:
+    """What a forward pass would write for ``tokens`` at positions ``start...`` into ``slots``."""
+    if len(slots):
+        e = expected_kv(tokens, torch.arange(start, start + len(tokens)))
+        cache.device_pool.k[:, slots] = e[0]
+        cache.device_pool.v[:, slots] = e[1]
+
+
+def device_kv_ok(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, positions: torch.Tensor) -> bool:
+    e = expected_kv(tokens, positions)
+    return torch.equal(cache.device_pool.k[:, slots], e[0]) and torch.equal(cache.device_pool.v[:, slots], e[1])
+
+
+def test_vectorized_kv_matches_cachedata():
+    e = expected_kv([2, 0, 1], torch.tensor([5, 6, 7]))
+    for i, (tok, pos) in enumerate([(2, 5), (0, 6), (1, 7)]):
+        for layer in range(L):
+            for kv in (0, 1):
+                assert torch.equal(e[kv, layer, i], kv_value(tok, pos, layer, kv)[:H])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tree inspection that changes nothing (match_prefix touches and splits nodes)
+# ---------------------------------------------------------------------------------------------------
+
+
+def tree_nodes(cache: HiRadixCache) -> list[tuple[TreeNode, int]]:
+    """Every non-root node with the position of its first token, parents before children."""
+    out: list[tuple[TreeNode, int]] = []
+    stack = [(c, 0) for c in cache.root.children.values()]
+    while stack:
+        node, start = stack.pop()
+        out.append((node, start))
+        stack.extend((c, start + len(node.key)) for c in node.children.values())
+    return out
+
+
+def attached(cache: HiRadixCache, node: TreeNode) -> bool:
+    """``node`` is still in the tree (not deleted)."""
+    while node is not cache.root:
+        parent = node.parent
+        if parent is None or parent.children.get(node.key[: cache.page_size]) is not node:
+            return False
+        node = parent
+    return True
+
+
+def check_device_kv(cache: HiRadixCache) -> int:
+    """KV bytes of every device-resident node whose device copy is complete (no load-back into it in
+    flight: such nodes' host slots are LOADING until the ack is processed). Returns slots checked."""
+    states = cache.host_pool.state().numpy()
+    toks: list[int] = []
+    slots, positions = [], []
+    for node, start in tree_nodes(cache):
+        if node.value is None:
+            continue
+        if node.host_value is not None and (states[node.host_value.numpy()] == SlotState.LOADING).any():
+            continue
+        toks.extend(node.key)
+        slots.append(node.value)
+        positions.append(torch.arange(start, start + len(node.key)))
+    if not slots:
+        return 0
+    s, p = torch.cat(slots), torch.cat(positions)
+    if not device_kv_ok(cache, toks, s, p):
+        e = expected_kv(toks, p)
+        bad = ~((cache.device_pool.k[:, s] == e[0]).flatten(2).all(-1).all(0))
+        raise AssertionError(f"device KV differs from what was written at slots {s[bad][:8].tolist()}")
+    return len(s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------------
+
+OPS = (
+    "prefill",  # match, allocate (evicting if short), write KV, insert: a whole request at once
+    "request",  # match + lock + allocate + write KV; the slots stay the driver's until "finish"
+    "finish",  # insert a pending request, free its duplicated slots, unlock its prefix
+    "match",  # match_prefix (+ check the KV of the matched device prefix)
+    "lock",  # inc_lock_ref on the last device or last host node of a match
+    "unlock",  # dec_lock_ref of a lock still held
+    "evict",
+    "evict_host",
+    "load_back",  # match + load_back(last_host_node, quota) (+ start_loading half the time)
+    "start_loading",
+    "check_writes",
+    "check_loads",
+    "flush",
+)
+WEIGHTS = (14, 6, 6, 10, 5, 5, 6, 4, 10, 4, 10, 8, 2)
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    hit: int  # device-prefix tokens matched when allocated
+    prefix: torch.Tensor  # their device slots (locked through `node`)
+    node: TreeNode  # last_device_node of the match, locked
+    slots: torch.Tensor  # the driver's slots for tokens[hit:]
+
+
+@dataclass
+class Driver:
+    cache: HiRadixCache
+    seed: int = 0
+    check_kv_every: int = 1
+    max_pages: int = 6
+    held: list[TreeNode] = field(default_factory=list)
+    pending: list[Request] = field(default_factory=list)
+    steps: int = 0
+    counts: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        r = random.Random(self.seed)
+        ps = self.cache.page_size
+        self.bases = [[r.randrange(VOCAB) for _ in range(self.max_pages * ps)] for _ in range(5)]
+        self.dev, self.host = self.cache.device_pool, self.cache.host_pool
+        assert self.max_pages * ps * 2 <= self.dev.size  # two requests always fit an empty pool
+
+    # -------------------------------------------------------------- helpers
+    def tokens(self, r: random.Random) -> list[int]:
+        ps = self.cache.page_size
+        base = self.bases[r.randrange(len(self.bases))]
+        cut = ps * r.randint(1, self.max_pages)
+        toks = base[:cut]
+        if r.random() < 0.3:  # diverge after a shared prefix
+            keep = ps * r.randint(0, self.max_pages - 1)
+            toks = toks[:keep] + [r.randrange(VOCAB) for _ in range(ps * r.randint(1, self.max_pages - keep // ps))]
+        return toks
+
+    def host_tokens(self, r: random.Random) -> list[int] | None:
+        """Tokens ending inside a random host-only node (so a match splits it, half the time), or None."""
+        nodes = [(n, start) for n, start in tree_nodes(self.cache) if n.value is None]
+        if not nodes:
+            return None
+        node, start = nodes[r.randrange(len(nodes))]
+        toks: list[int] = []
+        x = node
+        while x is not self.cache.root:
+            toks[:0] = x.key
+            x = x.parent
+        ps = self.cache.page_size
+        return toks[: start + ps * r.randint(1, len(node.key) // ps)]
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        slots = self.dev.alloc(need)
+        if slots is None:
+            self.cache.evict(need - self.dev.available_size())
+            slots = self.dev.alloc(need)
+        return slots
+
+    def external(self) -> torch.Tensor | None:
+        return torch.cat([q.slots for q in self.pending]) if self.pending else None
+
+    # -------------------------------------------------------------- one step
+    def step(self, op: str, r: random.Random) -> None:
+        getattr(self, "op_" + op)(r)
+        self.steps += 1
+        self.counts[op] += 1
+        self.check()
+
+    def op_prefill(self, r: random.Random) -> None:
+        c = self.cache
+        toks = self.tokens(r)
+        m = c.match_prefix(toks)
+        hit = len(m.device_indices)
+        c.inc_lock_ref(m.last_device_node)
+        slots = self.alloc(len(toks) - hit)
+        c.dec_lock_ref(m.last_device_node)
+        if slots is None:
+            self.counts["device_full"] += 1
+            return
+        write_kv(c, toks[hit:], slots, hit)
+        full = torch.cat([m.device_indices, slots])
+        dup = c.insert(toks, full, priority=r.randrange(3))
+        assert dup >= hit, (dup, hit)
+        if dup > hit:
+            self.dev.free(full[hit:dup])
+
+    def op_request(self, r: random.Random) -> None:
+        c = self.cache
+        toks = self.tokens(r)
+        m = c.match_prefix(toks)
+        hit = len(m.device_indices)
+        c.inc_lock_ref(m.last_device_node)
+        slots = self.alloc(len(toks) - hit)
+        if slots is None:
+            c.dec_lock_ref(m.last_device_node)
+            self.counts["device_full"] += 1
+            return
+        write_kv(c, toks[hit:], slots, hit)
+        self.pending.append(Request(toks, hit, m.device_indices, m.last_device_node, slots))
+
+    def finish(self, q: Request, priority: int = 0) -> None:
+        c = self.cache
+        full = torch.cat([q.prefix, q.slots])
+        dup = c.insert(q.tokens, full, priority=priority)
+        assert dup >= q.hit, (dup, q.hit)
+        if dup > q.hit:
+            self.dev.free(full[q.hit : dup])
+        c.dec_lock_ref(q.node)
+
+    def op_finish(self, r: random.Random) -> None:
+        if self.pending:
+            self.finish(self.pending.pop(r.randrange(len(self.pending))), r.randrange(3))
+
+    def op_match(self, r: random.Random) -> None:
+        toks = self.tokens(r)
+        m = self.cache.match_prefix(toks)
+        n = len(m.device_indices)
+        assert n % self.cache.page_size == 0 and n + m.host_hit_length <= len(toks)
+        if n and self.steps % self.check_kv_every == 0 and not self.loading(m.last_device_node):
+            check_kv(self.cache, toks[:n], m.device_indices)
+
+    def loading(self, node: TreeNode) -> bool:
+        """A load-back into ``node`` or an ancestor is in flight (its device bytes may not be there yet)."""
+        states = self.host.state().numpy()
+        while node is not self.cache.root:
+            if node.host_value is not None and (states[node.host_value.numpy()] == SlotState.LOADING).any():
+                return True
+            node = node.parent
+        return False
+
+    def op_lock(self, r: random.Random) -> None:
+        m = self.cache.match_prefix(self.tokens(r))
+        node = m.last_host_node if r.random() < 0.5 else m.last_device_node
+        if node is not self.cache.root:
+            self.cache.inc_lock_ref(node)
+            self.held.append(node)
+
+    def op_unlock(self, r: random.Random) -> None:
+        if self.held:
+            self.cache.dec_lock_ref(self.held.pop(r.randrange(len(self.held))))
+
+    def op_evict(self, r: random.Random) -> None:
+        before = self.dev.available_size()
+        want = r.randint(1, self.dev.size // 2)
+        freed = self.cache.evict(want)
+        assert freed >= 0
+        # What evict reports is what it gave back to the pool (write_back's backups do not allocate device slots).
+        assert self.dev.available_size() - before == freed, (before, freed, self.dev.available_size())
+
+    def op_evict_host(self, r: random.Random) -> None:
+        before = self.host.available_size()
+        freed = self.cache.evict_host(r.randint(1, self.host.size // 2))
+        assert self.host.available_size() - before == freed
+
+    def op_load_back(self, r: random.Random) -> None:
+        c = self.cache
+        toks = self.host_tokens(r) if r.random() < 0.5 else None
+        m = c.match_prefix(toks or self.tokens(r))
+        if not m.host_hit_length:
+            return
+        quota = None if r.random() < 0.8 else r.randint(0, self.dev.size)
+        skipped = c.metrics.load_backs_skipped
+        got = c.load_back(m.last_host_node, mem_quota=quota)
+        if got is None:
+            assert c.metrics.load_backs_skipped == skipped + 1
+            self.counts["load_back_skipped"] += 1
+            return
+        self.counts["load_back_done"] += 1
+        assert len(got) == m.host_hit_length
+        assert m.last_host_node.value is not None and m.last_host_node.lock_ref > 0
+        if r.random() < 0.5:
+            c.start_loading()
+
+    def op_start_loading(self, r: random.Random) -> None:
+        self.cache.start_loading()
+
+    def op_check_writes(self, r: random.Random) -> None:
+        self.cache.check_writes()
+
+    def op_check_loads(self, r: random.Random) -> None:
+        self.cache.check_loads()
+
+    def op_flush(self, r: random.Random) -> None:
+        self.cache.flush()
+        assert not self.cache._inflight_writes and not self.cache._inflight_loads
+
+    # -------------------------------------------------------------- invariants after every step
+    def check(self) -> None:
+        c = self.cache
+        ext = self.external()
+        c.verify(external_device=ext)
+        nodes = tree_nodes(c)
+        # Exact lock counts: each lock point (held lock, pending request, copy in flight) counts once
+        # on its node and every ancestor.
+        points: Counter = Counter()
+        for node in self.held:
+            points[node] += 1
+        for q in self.pending:
+            points[q.node] += 1
+        inflight_host: list[tuple[torch.Tensor, int]] = []
+        for node, host in c._inflight_writes.values():
+            points[node] += 1
+            inflight_host.append((host, SlotState.WRITING))
+        for node, host, _ in c._inflight_loads.values():
+            points[node] += 1
+            inflight_host.append((host, SlotState.LOADING))
+        expect: Counter = Counter()
+        for node, k in points.items():
+            if node is c.root:
+                continue
+            assert attached(c, node), f"{node} is locked but no longer in the tree"
+            while node is not c.root:
+                expect[node] += k
+                node = node.parent
+        dev_owned = host_owned = 0
+        host_expect = np.zeros(self.host.size, dtype=np.uint8)
+        for node, _ in nodes:
+            assert node.lock_ref == expect[node], (node, expect[node])
+            if node.value is not None:
+                dev_owned += len(node.value)
+            if node.host_value is not None:
+                host_owned += len(node.host_value)
+                host_expect[node.host_value.numpy()] = SlotState.SYNCED
+        # Host slot states: WRITING / LOADING exactly for the copies in flight, SYNCED for the rest.
+        for host, state in inflight_host:
+            assert (host_expect[host.numpy()] == SlotState.SYNCED).all(), "in-flight host slots not owned"
+            host_expect[host.numpy()] = state
+        states = self.host.state().numpy()
+        if not np.array_equal(states, host_expect):
+            bad = np.nonzero(states != host_expect)[0][:6]
+            raise AssertionError(f"host slots {bad.tolist()}: states {states[bad]} expected {host_expect[bad]}")
+        n_ext = 0 if ext is None else len(ext)
+        assert self.dev.available_size() + dev_owned + n_ext == self.dev.size
+        assert self.host.available_size() + host_owned == self.host.size
+        assert c.evictable_size() + c.protected_size() == dev_owned
+        if self.check_kv_every and self.steps % self.check_kv_every == 0:
+            check_device_kv(c)
+
+    # -------------------------------------------------------------- runs and the final drain
+    def run(self, ops: list[tuple[str, int]]) -> None:
+        for op, seed in ops:
+            self.step(op, random.Random(seed))
+
+    def run_random(self, n: int, seed: int) -> None:
+        r = random.Random(seed)
+        for op in r.choices(OPS, WEIGHTS, k=n):
+            self.step(op, r)
+
+    def release_all(self) -> None:
+        """Finish every request, release every lock, flush: afterwards nothing is locked."""
+        while self.pending:
+            self.finish(self.pending.pop())
+        while self.held:
+            self.cache.dec_lock_ref(self.held.pop())
+        self.cache.flush()
+        self.check()
+        assert all(n.lock_ref == 0 for n, _ in tree_nodes(self.cache))
+        assert not self.cache._inflight_writes and not self.cache._inflight_loads
+
+    def drain(self, sample: int = 6) -> None:
+        """Release everything; check the device KV; push the device tier out and load a sample of
+        host-only prefixes back (their KV must be what was written); then evict both tiers completely
+        and check both pools are entirely free."""
+        c = self.cache
+        self.release_all()
+        check_device_kv(c)
+        c.evict(self.dev.size)
+        c.flush()
+        self.check()
+        assert self.dev.available_size() == self.dev.size, "unlocked device nodes survived evict(all)"
+        leaves = [(n, s) for n, s in tree_nodes(c) if not n.children]
+        random.Random(self.seed).shuffle(leaves)
+        loaded = 0
+        for leaf, start in leaves[:sample]:
+            if not attached(c, leaf):
+                continue
+            toks = []
+            x = leaf
+            while x is not c.root:
+                toks[:0] = x.key
+                x = x.parent
+            assert len(toks) == start + len(leaf.key)
+            m = c.match_prefix(toks)
+            if m.host_hit_length < max(1, c.load_back_threshold):
+                continue
+            got = c.load_back(m.last_host_node)
+            if got is None:  # no room: make some and retry
+                c.evict(self.dev.size)
+                m = c.match_prefix(toks)
+                got = c.load_back(m.last_host_node)
+            assert got is not None
+            c.start_loading()
+            c.flush()
+            self.check()
+            m = c.match_prefix(toks)
+            assert len(m.device_indices) == len(toks) and m.host_hit_length == 0
+            check_kv(c, toks, m.device_indices)  # cachedata's per-slot check
+            loaded += 1
+        self.counts["drain_loaded"] += loaded
+        c.evict(self.dev.size)
+        c.evict_host(self.host.size)
+        c.flush()
+        self.check()
+        assert not c.root.children, "nodes survived eviction of both tiers"
+        assert self.dev.available_size() == self.dev.size, "device slots leaked"
+        assert self.host.available_size() == self.host.size, "host slots leaked"
+        assert (self.host.state() == SlotState.FREE).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Property test (hypothesis), deterministic controller
+# ---------------------------------------------------------------------------------------------------
+
+CONFIGS = [
+    dict(page_size=ps, write_policy=wp, eviction_policy=ev)
+    for ps in (1, 4)
+    for wp in POLICIES
+    for ev in ("lru", "lfu", "slru", "fifo", "priority")
+]
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=st.sampled_from(CONFIGS),
+    device_slots=st.sampled_from([32, 48]),
+    host_ratio=st.sampled_from([2.0, 3.0]),
+    layout=st.sampled_from(["page_first", "layer_first", "page_first_direct", "page_head"]),
+    load_back_threshold=st.sampled_from([1, 4]),
+    ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2**16)), min_size=20, max_size=150),
+)
+def test_random_operations_property(config, device_slots, host_ratio, layout, load_back_threshold, ops):
+    max_pages = 4 if config["page_size"] == 4 else 8
+    cache = build(
+        device_slots=device_slots, host_ratio=host_ratio, layout=layout, load_back_threshold=load_back_threshold,
+        **config,
+    )  # fmt: skip
+    d = Driver(cache, seed=len(ops), max_pages=max_pages)
+    d.run(ops)
+    d.drain(sample=3)
+    cache.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Long seeded run: >= 100k driver steps, deterministic
+# ---------------------------------------------------------------------------------------------------
+
+LONG_SEGMENTS = [  # (config, steps): 100_000 steps in all, every write policy, page sizes 1 and 4
+    (dict(page_size=1, write_policy="write_through", eviction_policy="lru", device_slots=48, host_ratio=2.5), 20_000),
+    (dict(page_size=4, write_policy="write_through_selective", eviction_policy="lfu", device_slots=64), 20_000),
+    (dict(page_size=1, write_policy="write_back", eviction_policy="slru", device_slots=32, host_ratio=3.0), 20_000),
+    (
+        dict(page_size=4, write_policy="write_back", eviction_policy="priority", device_slots=48, host_ratio=1.25),
+        20_000,
+    ),
+    (dict(page_size=1, write_policy="write_through_selective", eviction_policy="fifo", device_slots=32), 20_000),
+]
+
+
+def test_long_seeded_run():
+    t0 = time.perf_counter()
+    total = Counter()
+    for i, (config, steps) in enumerate(LONG_SEGMENTS):
+        cache = build(**config)
+        d = Driver(cache, seed=1000 + i, check_kv_every=16, max_pages=4 if config["page_size"] == 4 else 8)
+        d.run_random(steps, seed=2000 + i)
+        d.drain()
+        total += d.counts
+        total["steps"] += d.steps
+        m = cache.metrics
+        total["load_backs"] += m.load_backs
+        total["device_evicted_tokens"] += m.device_evicted_tokens
+        total["host_evicted_tokens"] += m.host_evicted_tokens
+        total["writes_refused_host_full"] += m.writes_refused_host_full
+        cache.close()
+    elapsed = time.perf_counter() - t0
+    print(f"long run: {total['steps']} steps in {elapsed:.1f} s; {dict(total)}")
+    assert total["steps"] >= 100_000
+    # The run reached the interesting states, not just the easy ones.
+    for key in ("load_back_done", "load_back_skipped", "device_full", "load_backs", "device_evicted_tokens"):
+        assert total[key] > 0, key
+    assert total["host_evicted_tokens"] > 0
+    assert elapsed < 100, f"too slow for CI: {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Threaded run: real worker threads
+# ---------------------------------------------------------------------------------------------------
+
+
+class SlowCopies:
+    """Wraps a controller's ``_execute`` to sleep a random 0-2 ms first, so copies overlap the driver."""
+
+    def __init__(self, controller, seed: int, max_s: float = 0.002) -> None:
+        self.inner = controller._execute
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.max_s = max_s
+        controller._execute = self
+
+    def __call__(self, op) -> None:
+        with self.lock:
+            delay = self.rng.uniform(0, self.max_s)
+        time.sleep(delay)
+        self.inner(op)
+
+
+@pytest.mark.parametrize("write_policy", POLICIES)
+def test_threaded_run(write_policy):
+    threads_before = threading.active_count()
+    config = dict(page_size=4 if write_policy == "write_through_selective" else 1, write_policy=write_policy)
+    cache = build(threaded=True, eviction_policy="lru", device_slots=48, **config)
+    assert threading.active_count() == threads_before + 2
+    SlowCopies(cache.controller, seed=7)
+    d = Driver(cache, seed=11, max_pages=4 if config["page_size"] == 4 else 8)
+    # Verify after every step as it is (pool states change only on this thread: the workers copy
+    # bytes and queue acks); every 100 steps also after a flush, when nothing is in flight.
+    r = random.Random(3)
+    for i in range(3000):
+        d.step(r.choices(OPS, WEIGHTS)[0], r)
+        if i % 100 == 99:
+            d.cache.flush()
+            d.check()
+    assert d.counts["load_back_done"] > 0 and cache.metrics.tokens_written > 0
+    d.drain()
+    cache.close()
+    assert cache.controller._closed
+    deadline = time.monotonic() + 5
+    while threading.active_count() != threads_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == threads_before
+
+
+# ---------------------------------------------------------------------------------------------------
+# Edge outcomes
+# ---------------------------------------------------------------------------------------------------
+
+
+def insert_seq(cache: HiRadixCache, tokens: list[int]) -> torch.Tensor:
+    """Insert ``tokens`` (none cached) with fresh, written device slots; returns the slots."""
+    slots = cache.device_pool.alloc(len(tokens))
+    assert slots is not None
+    write_kv(cache, tokens, slots, 0)
+    assert cache.insert(tokens, slots) == 0
+    return slots
+
+
+def lock_host_only(cache: HiRadixCache, tokens: list[int]) -> TreeNode:
+    m = cache.match_prefix(tokens)
+    assert m.host_hit_length == len(tokens)
+    cache.inc_lock_ref(m.last_host_node)
+    return m.last_host_node
+
+
+def fill_host(cache: HiRadixCache) -> list[TreeNode]:
+    """Host pool full of locked host-only nodes (16 tokens each); device pool empty."""
+    locked = []
+    for i in range(cache.host_pool.size // 16):
+        toks = [VOCAB + i] * 16  # distinct first tokens: one node each
+        insert_seq(cache, toks)
+        cache.match_prefix(toks)  # write_through_selective: second hit backs it up
+        cache.flush()
+        cache.evict(cache.device_pool.size)
+        locked.append(lock_host_only(cache, toks))
+    assert cache.host_pool.available_size() == 0 and cache.device_pool.available_size() == cache.device_pool.size
+    return locked
+
+
+@pytest.mark.parametrize("write_policy", POLICIES)
+def test_host_pool_full_backups_refused(write_policy):
+    cache = build(device_slots=32, host_ratio=2.0, write_policy=write_policy)
+    locked = fill_host(cache)
+    before = cache.metrics.writes_refused_host_full
+    toks = [9] * 16
+    insert_seq(cache, toks)  # write_through: backup refused (no host room, nothing host-evictable)
+    cache.match_prefix(toks)  # write_through_selective: second hit: backup refused
+    node = cache.match_prefix(toks).last_device_node
+    cache.verify()
+    if write_policy != "write_back":
+        assert cache.metrics.writes_refused_host_full > before
+    assert node.host_value is None and node.value is not None and node.lock_ref == 0  # device-only
+    # Device eviction of a node the host cannot take deletes it (write_back: after a refused backup).
+    before = cache.metrics.writes_refused_host_full
+    assert cache.evict(16) == 16
+    if write_policy == "write_back":
+        assert cache.metrics.writes_refused_host_full > before
+    assert cache.match_prefix(toks).host_hit_length == 0
+    cache.verify()
+    assert cache.device_pool.available_size() == cache.device_pool.size
+    # Unlocked, the host-only nodes make room again.
+    for n in locked:
+        cache.dec_lock_ref(n)
+    insert_seq(cache, toks)
+    cache.flush()
+    cache.verify()
+    assert cache.host_pool.available_size() < cache.host_pool.size
+    cache.close()
+
+
+def state_of(cache: HiRadixCache) -> dict:
+    """Tree (every node by its full token path: slots, locks, counters) and both pools' slot states."""
+    nodes = []
+    for node, _ in tree_nodes(cache):
+        path, x = [], node
+        while x is not cache.root:
+            path[:0] = x.key
+            x = x.parent
+        value = None if node.value is None else node.value.tolist()
+        host = None if node.host_value is None else node.host_value.tolist()
+        nodes.append((tuple(path), value, host, node.lock_ref, node.hit_count, node.last_access_time, node.priority))
+    return dict(
+        nodes=sorted(nodes),
+        device_allocated=cache.device_pool.is_allocated().tolist(),
+        host_state=cache.host_pool.state().tolist(),
+    )
+
+
+def host_only(cache: HiRadixCache, tokens: list[int]) -> None:
+    """Insert ``tokens``, back them up, and evict the whole device tier."""
+    insert_seq(cache, tokens)
+    cache.match_prefix(tokens)  # write_through_selective: second hit backs it up
+    cache.flush()
+    cache.evict(cache.device_pool.size)
+    cache.flush()
+    assert cache.match_prefix(tokens).host_hit_length == len(tokens)
+
+
+@pytest.mark.parametrize("write_policy", POLICIES)
+def test_device_pool_full(write_policy):
+    cache = build(device_slots=32, write_policy=write_policy)
+    host_only(cache, [5] * 8)
+    held = []
+    for tok in (3, 4):  # device full of locked nodes
+        toks = [tok] * 16
+        insert_seq(cache, toks)
+        node = cache.match_prefix(toks).last_device_node
+        cache.inc_lock_ref(node)
+        held.append(node)
+    cache.flush()
+    assert cache.device_pool.available_size() == 0
+    m = cache.match_prefix([5] * 8)
+    before = state_of(cache)
+    # A new request finds no room, even after eviction: nothing is evicted, nothing changes.
+    assert cache.device_pool.alloc(8) is None
+    assert cache.evict(8) == 0
+    # A load-back finds no room either: skipped, counted, nothing changed.
+    skipped = cache.metrics.load_backs_skipped
+    assert cache.load_back(m.last_host_node) is None
+    assert cache.metrics.load_backs_skipped == skipped + 1
+    assert state_of(cache) == before
+    cache.verify()
+    for node in held:
+        cache.dec_lock_ref(node)
+    got = cache.load_back(m.last_host_node)  # room once unlocked
+    assert got is not None and len(got) == 8
+    cache.start_loading()
+    cache.flush()
+    cache.verify()
+    check_kv(cache, [5] * 8, cache.match_prefix([5] * 8).device_indices)
+    cache.close()
+
+
+def test_load_back_below_threshold_quota_or_nothing_to_load():
+    cache = build(device_slots=32, load_back_threshold=10)
+    host_only(cache, [1] * 8)
+    host_only(cache, [2] * 16)
+    skipped = cache.metrics.load_backs_skipped
+    m8, m16 = cache.match_prefix([1] * 8), cache.match_prefix([2] * 16)
+    before = state_of(cache)
+    assert cache.load_back(m8.last_host_node) is None  # 8 tokens < load_back_threshold 10
+    assert cache.load_back(m16.last_host_node, mem_quota=15) is None  # more than the caller's budget
+    assert cache.metrics.load_backs_skipped == skipped + 2
+    assert state_of(cache) == before
+    cache.verify()
+    got = cache.load_back(m16.last_host_node, mem_quota=16)
+    assert got is not None and len(got) == 16
+    cache.start_loading()
+    cache.flush()
+    m = cache.match_prefix([2] * 16)
+    assert cache.load_back(m.last_device_node) is None  # nothing host-only: not a skip
+    assert cache.metrics.load_backs_skipped == skipped + 2
+    check_kv(cache, [2] * 16, m.device_indices)
+    cache.close()
+
+
+def load_back_too_large() -> tuple[HiRadixCache, TreeNode, torch.Tensor, dict, int]:
+    """A 24-token host-only prefix; 8 free device slots, 8 in an unlocked node, 16 held by a request."""
+    cache = build(device_slots=32, write_policy="write_through")
+    host_only(cache, [1] * 24)
+    insert_seq(cache, [2] * 8)
+    cache.flush()
+    ext = cache.device_pool.alloc(16)
+    m = cache.match_prefix([1] * 24)
+    assert cache.device_pool.available_size() + cache.evictable_size() < m.host_hit_length
+    return cache, m.last_host_node, ext, state_of(cache), cache.metrics.load_backs_skipped
+
+
+def test_load_back_larger_than_the_device_can_give():
+    # A prefix larger than the whole device pool cannot be built through the API (insert takes one
+    # device slot per token of the whole key), so: larger than free + evictable device slots.
+    cache, node, ext, _, skipped = load_back_too_large()
+    assert cache.load_back(node) is None
+    assert cache.metrics.load_backs_skipped == skipped + 1
+    cache.verify(external_device=ext)
+    m = cache.match_prefix([1] * 24)
+    assert m.host_hit_length == 24 and all(n.lock_ref == 0 for n, _ in tree_nodes(cache))
+    cache.device_pool.free(ext)
+    cache.close()
+
+
+def test_load_back_that_cannot_fit_evicts_nothing():
+    cache, node, ext, before, _ = load_back_too_large()
+    assert cache.load_back(node) is None
+    assert state_of(cache) == before
+
+
+def test_writes_refused_host_full_counts_refused_backups_exactly():
+    cache = build(device_slots=32, host_ratio=2.0, write_policy="write_through")
+    locked = fill_host(cache)
+    before = cache.metrics.writes_refused_host_full
+    insert_seq(cache, [9] * 16)  # refused: no host room, nothing host-evictable
+    refused = cache.metrics.writes_refused_host_full - before
+    cache.evict(32)
+    cache.dec_lock_ref(locked[0])
+    before = cache.metrics.writes_refused_host_full
+    insert_seq(cache, [10] * 16)  # evict_host frees locked[0]'s 16 slots: the backup succeeds
+    assert cache.match_prefix([10] * 16).last_device_node.host_value is not None
+    succeeded = cache.metrics.writes_refused_host_full - before
+    assert (refused, succeeded) == (1, 0)
+
+
+def test_layer_counter_with_overlapping_load_batches(monkeypatch):
+    import hicache.controller as controller_module
+
+    cache = build(device_slots=32, threaded=True)
+    host_only(cache, [1] * 8)
+    host_only(cache, [2] * 8)
+    gates = [threading.Event(), threading.Event()]
+    calls: list[int] = []
+    load_layer = controller_module.ops.load_layer
+
+    def gated(*args, **kwargs):
+        calls.append(kwargs["layer_id"])
+        if len(calls) in (1, L + 1):  # first layer of batch 1, first layer of batch 2
+            gates[len(calls) > 1].wait(10)
+        return load_layer(*args, **kwargs)
+
+    monkeypatch.setattr(controller_module.ops, "load_layer", gated)
+    counter = cache.controller.layer_counter
+    try:
+        assert cache.load_back(cache.match_prefix([1] * 8).last_host_node) is not None
+        cache.start_loading()
+        while not calls:
+            time.sleep(0.001)
+        assert cache.load_back(cache.match_prefix([2] * 8).last_host_node) is not None
+        cache.start_loading()  # batch 2, queued behind batch 1
+        gates[0].set()
+        deadline = time.monotonic() + 10
+        while cache.controller.ack_load_queue.qsize() < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # Batch 1 is done, batch 2 waits at its first layer: no layer of the current batch is there.
+        with pytest.raises(TimeoutError):
+            counter.wait_until(0, timeout=0.2)
+    finally:
+        for g in gates:
+            g.set()
+        cache.close()
