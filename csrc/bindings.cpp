@@ -132,7 +132,7 @@ std::string error_name(int code) { return cudaGetErrorName(static_cast<cudaError
 std::uintptr_t host_device_pointer(std::uintptr_t host_ptr) {
   void* device = nullptr;
   check(hicache::host_device_pointer(as_ptr<const void>(host_ptr), &device),
-        "cudaHostGetDevicePointer");
+        "host_device_pointer (cudaPointerGetAttributes)");
   return reinterpret_cast<std::uintptr_t>(device);
 }
 
@@ -167,5 +167,5 @@ PYBIND11_MODULE(_C, m) {
         "addresses of host int64 arrays. Returns the cudaError_t as an int (0 = success).");
   m.def("error_name", &error_name, py::arg("code"), "cudaGetErrorName of a cudaError_t value.");
   m.def("host_device_pointer", &host_device_pointer, py::arg("host_ptr"),
-        "Device address of mapped pinned host memory (cudaHostGetDevicePointer); raises on error.");
+        "Device address of (any byte of) pinned host memory; raises for pageable memory.");
 }

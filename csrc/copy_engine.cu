@@ -94,7 +94,15 @@ cudaError_t memcpy_batch(const int64_t* dst, const int64_t* src, const int64_t* 
 
 cudaError_t host_device_pointer(const void* host, void** device) {
   *device = nullptr;
-  return cudaHostGetDevicePointer(device, const_cast<void*>(host), 0);
+  // Pointer attributes resolve any address inside a pinned allocation (a tensor view starts at an
+  // offset); cudaHostGetDevicePointer is only documented for the allocation's own start.
+  cudaPointerAttributes attr{};
+  HICACHE_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, host));
+  if (attr.type != cudaMemoryTypeHost || attr.devicePointer == nullptr) {
+    return cudaErrorInvalidHostPointer;  // pageable (unregistered) or not host memory at all
+  }
+  *device = attr.devicePointer;
+  return cudaSuccess;
 }
 
 }  // namespace hicache

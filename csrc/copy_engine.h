@@ -27,8 +27,9 @@ enum MemcpyDirection : int { kDeviceToHost = 0, kHostToDevice = 1 };
 cudaError_t memcpy_batch(const int64_t* dst, const int64_t* src, const int64_t* sizes,
                          int64_t count, int direction, cudaStream_t stream);
 
-// The device address of pinned (mapped) host memory; differs from the host address on some
-// platforms, so kernels must use this one.
+// The device address of pinned (mapped) host memory, for any address inside the allocation;
+// differs from the host address on some platforms, so kernels must use this one.
+// cudaErrorInvalidHostPointer for pageable or device memory.
 cudaError_t host_device_pointer(const void* host, void** device);
 
 }  // namespace hicache

@@ -230,13 +230,11 @@ class KernelBackend(IOBackend):
         src_desc, src_align = self._desc(plan.src)
         dst_desc, dst_align = self._desc(plan.dst)
         align = math.gcd(src_align, dst_align, plan.chunk_bytes)
-        idx = []
-        for t in (plan.src_indices, plan.dst_indices):
-            if t.device != device:
-                t = t.to(device, non_blocking=True)
-                if stream != torch.cuda.current_stream(device):
-                    t.record_stream(stream)
-            idx.append(t)
+        # Host indices are copied on the launch stream itself: ordered before the kernel (a copy from
+        # pageable memory may still be in flight when it returns), and allocated for that stream.
+        with torch.cuda.stream(stream):
+            idx = [t if t.device == device else t.to(device, non_blocking=True)
+                   for t in (plan.src_indices, plan.dst_indices)]  # fmt: skip
         ext.transfer(
             src_desc, plan.src.is_table, dst_desc, plan.dst.is_table,
             idx[0].data_ptr(), idx[1].data_ptr(), n,

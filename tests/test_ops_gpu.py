@@ -141,3 +141,29 @@ def test_kernel_grid_options():
     for num_blocks, warps in [(1, 1), (1, 32), (2, 8), (16, 32)]:
         backend = get_backend("kernel", num_blocks=num_blocks, warps_per_block=warps)
         gpu_case(backend, "page_head", False, torch.float16, 16, "d2h", None)
+
+
+def test_host_device_pointer_resolves_views_and_refuses_pageable():
+    from hicache_kernels._ext import load_extension
+
+    ext = load_extension()
+    pinned = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    base = ext.host_device_pointer(pinned.data_ptr())
+    assert ext.host_device_pointer(pinned[100:].data_ptr()) == base + 100
+    with pytest.raises(RuntimeError, match="InvalidHostPointer"):
+        ext.host_device_pointer(torch.empty(4096, dtype=torch.uint8).data_ptr())
+
+
+def test_kernel_backend_with_host_indices_on_a_side_stream():
+    """CPU indices are copied on the launch stream, so a busy side stream cannot race the kernel."""
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, device="cuda", pin=True,
+                       direction="h2d")  # fmt: skip
+    d_idx, h_idx = make_indices("random", 96, 48, 1, count=32, seed=6)
+    expected = expected_after(pools, "h2d", d_idx, h_idx, None)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(10_000_000)  # keep the side stream busy for a while
+    ops.load_all_layers(pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout="page_first", page_size=1,
+                        backend="kernel", stream=side)  # fmt: skip
+    torch.cuda.synchronize()
+    assert pools.equal(expected)
