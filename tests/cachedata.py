@@ -90,3 +90,20 @@ def prefill(cache: HiRadixCache, tokens: list[int]) -> int:
     if dup > hit:  # another insert raced ahead: free our duplicated slots
         cache.device_pool.free(full[hit:dup])
     return hit
+
+
+def evict_and_reload(cache: HiRadixCache, tokens: list[int], wait_layer: int | None = None) -> torch.Tensor:
+    """Back up ``tokens`` (already inserted), evict the whole device tier, load the prefix back and
+    check its KV bytes; returns the new device slots. ``wait_layer``: wait on the layer counter first."""
+    cache.check_writes()
+    cache.evict(cache.device_pool.size)
+    m = cache.match_prefix(tokens)
+    assert m.host_hit_length == len(tokens)
+    assert cache.load_back(m.last_host_node) is not None
+    cache.start_loading()
+    if wait_layer is not None:
+        cache.controller.layer_counter.wait_until(wait_layer)
+    cache.check_loads()
+    slots = cache.match_prefix(tokens).device_indices
+    check_kv(cache, tokens, slots)
+    return slots

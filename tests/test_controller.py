@@ -10,7 +10,7 @@ import torch
 
 from hicache import DeviceKVPool, HiCacheController, HiRadixCache, HostKVPool, LayerDoneCounter, SlotState
 
-from cachedata import check_kv, make_cache, prefill
+from cachedata import evict_and_reload, make_cache, prefill
 
 
 def pools(device="cpu", pin=False, layout="page_first", page_size=1):
@@ -146,14 +146,7 @@ def test_layer_wise_load_through_the_cache_matches_all_at_once():
         c.controller.layer_wise = layer_wise
         toks = list(range(60, 80))
         prefill(c, toks)
-        c.check_writes()
-        c.evict(32)
-        m = c.match_prefix(toks)
-        c.load_back(m.last_host_node)
-        c.start_loading()
-        c.controller.layer_counter.wait_until(c.device_pool.num_layers - 1)
-        c.check_loads()
-        check_kv(c, toks, c.match_prefix(toks).device_indices)
+        evict_and_reload(c, toks, wait_layer=c.device_pool.num_layers - 1)
         c.close()
 
 

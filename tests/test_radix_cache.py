@@ -10,7 +10,7 @@ import torch
 from hicache import FIFO, LFU, LRU, SLRU, Priority, get_policy
 from hicache_kernels.layouts import LAYOUTS, MLA_LAYOUTS
 
-from cachedata import check_kv, make_cache, prefill
+from cachedata import check_kv, evict_and_reload, make_cache, prefill
 
 
 def test_insert_then_match_returns_device_prefix():
@@ -126,12 +126,7 @@ def test_write_back_writes_on_eviction_only():
         assert c.metrics.tokens_written == 0
         assert c.evict(16) == 16
         assert c.metrics.tokens_written == 16
-        m = c.match_prefix(toks)
-        assert m.host_hit_length == 16
-        c.load_back(m.last_host_node)
-        c.start_loading()
-        c.check_loads()
-        check_kv(c, toks, c.match_prefix(toks).device_indices)
+        evict_and_reload(c, toks)
         c.verify()
 
 
@@ -261,13 +256,7 @@ def test_triton_backend_under_interpreter():
     with make_cache(device_slots=16, io_backend="triton", page_size=4, layout="page_first_direct") as c:
         toks = list(range(40, 52))
         prefill(c, toks)
-        c.check_writes()
-        c.evict(16)
-        m = c.match_prefix(toks)
-        c.load_back(m.last_host_node)
-        c.start_loading()
-        c.check_loads()
-        check_kv(c, toks, c.match_prefix(toks).device_indices)
+        evict_and_reload(c, toks)
 
 
 def test_bad_arguments():
