@@ -104,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write every point and the run's tags as JSON")
     p.add_argument("--csv", metavar="PATH", help="write every point as CSV")
     p.add_argument("--plot", metavar="PATH.png", help="plot GB/s vs page size per backend (needs matplotlib)")
+    p.add_argument(
+        "--tune-auto",
+        metavar="PATH",
+        nargs="?",
+        const="",
+        help="derive auto's threshold from this run and save it (default path: AutoBackend's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
@@ -322,6 +329,32 @@ def add_ratios(points: list[dict[str, Any]]) -> None:
         for other in ("direct", "batch"):
             q = index.get((p["model"], other, p["op"], p["layout"], p["page_size"]))
             p[f"kernel_over_{other}"] = q["median_ms"] / p["median_ms"] if q and p["median_ms"] > 0 else None
+
+
+def tune_auto(points: list[dict[str, Any]], sm_budget: int) -> dict[str, int]:
+    """``auto``'s threshold from measured points: the smallest fragment size (item x page bytes) from
+    which a copy-engine backend beats the kernel at every larger measured size, in every op and
+    layout. If the kernel wins everywhere, one byte past the largest fragment measured."""
+    by_frag: dict[int, list[bool]] = {}
+    groups: dict[tuple, dict[str, float]] = {}
+    for p in points:
+        if p.get("kind") != "transfer" or (p["backend"] == "kernel" and p["sm_budget"] != sm_budget):
+            continue
+        key = (p["model"], p["op"], p["layout"], p["page_size"], p["item_bytes"])
+        groups.setdefault(key, {})[p["backend"]] = p["median_ms"]
+    for (_, _, _, page, item), times in groups.items():
+        ce = [times[b] for b in COPY_ENGINE_BACKENDS if b in times]
+        if "kernel" in times and ce:
+            by_frag.setdefault(item * page, []).append(min(ce) < times["kernel"])
+    if not by_frag:
+        raise ValueError("points: no fragment size has both kernel and copy-engine measurements")
+    sizes = sorted(by_frag)
+    threshold = sizes[-1] + 1
+    for size in reversed(sizes):  # walk down while copy engines win at this size and all above it
+        if not all(by_frag[size]):
+            break
+        threshold = size
+    return {"kernel_max_fragment_bytes": threshold}
 
 
 # ---------------------------------------------------------------------------------------------- GPU-only parts
@@ -606,6 +639,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"layer-wise overlap ({p['backend']}): compute {p['compute_ms']:.2f} ms, load-then-compute "
                   f"{p['load_then_compute_ms']:.2f} ms, overlapped {p['overlapped_ms']:.2f} ms "
                   f"(x{p['overlap_ratio']:.3f} of compute; load-all {p['load_all_ms']:.2f} ms)")  # fmt: skip
+    if args.tune_auto is not None:
+        from pathlib import Path
+
+        from .backends import AutoBackend
+
+        tuned = tune_auto(points, args.sm_budget)
+        saved = AutoBackend(thresholds=tuned, path=Path(args.tune_auto) if args.tune_auto else None).save()
+        meta["auto_thresholds"] = tuned
+        print(f"auto thresholds {tuned} saved to {saved}")
     if args.json:
         benchutil.write_json(args.json, meta, points)
     if args.csv:

@@ -129,6 +129,31 @@ def test_kernel_ratios_match_times():
     assert points[0]["kernel_over_direct"] == 12.0 and points[0]["kernel_over_batch"] == 3.0
 
 
+def tune_points(rows):
+    return [
+        {"kind": "transfer", "model": "m", "op": "load_all", "layout": "x", "page_size": page, "item_bytes": 1024,
+         "backend": b, "median_ms": ms, "sm_budget": None if b in ("direct", "batch") else 4}
+        for page, times in rows
+        for b, ms in times.items()
+    ]  # fmt: skip
+
+
+def test_tune_auto_finds_the_crossover():
+    pts = tune_points([(1, {"kernel": 1.0, "direct": 9.0}), (16, {"kernel": 1.0, "batch": 1.5}),
+                       (64, {"kernel": 2.0, "batch": 1.8}), (128, {"kernel": 3.0, "direct": 2.5})])  # fmt: skip
+    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 64 * 1024}
+
+
+def test_tune_auto_when_the_kernel_always_wins_or_data_is_missing():
+    pts = tune_points([(1, {"kernel": 1.0, "direct": 9.0}), (128, {"kernel": 1.0, "direct": 2.0})])
+    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 128 * 1024 + 1}
+    # A copy-engine win below a kernel win does not move the threshold down.
+    pts = tune_points([(1, {"kernel": 2.0, "direct": 1.0}), (128, {"kernel": 1.0, "direct": 2.0})])
+    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 128 * 1024 + 1}
+    with pytest.raises(ValueError, match="points"):
+        bench.tune_auto(tune_points([(1, {"kernel": 1.0})]), 4)
+
+
 def test_validate_bench_json_reports_problems():
     good = {"kind": "transfer", "backend": "kernel", "direction": "d2h", "scope": "all", "layout": "page_first",
             "page_size": 1, "item_bytes": 256, "num_pages": 4, "bytes": 1000, "median_ms": 1.0, "gbps": 1e-3,
