@@ -47,7 +47,7 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
 step build 180 $PY -m pip install --no-build-isolation --no-deps -e .
 step info 30 sh -c "$PY -m hicache_kernels.info && $PY -m hicache_kernels.info --json >'$OUT/info.json'"
-step gpu-tests 240 $PY -m pytest -q -m gpu -x -p no:cacheprovider tests
+step gpu-tests 240 $PY -m pytest -q -rf -m gpu --maxfail=30 --timeout=60 -p no:cacheprovider tests
 if command -v compute-sanitizer >/dev/null 2>&1; then
   step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider \
     tests/test_ops_gpu.py -k "kernel and bfloat16 and not compile and (page_first_direct or page_head)"
