@@ -54,7 +54,7 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
 else
   STEPS+=("$(printf '%-22s %-12s' sanitizer 'SKIPPED (no compute-sanitizer)')")
 fi
-step bench-quick 180 $PY -m hicache_kernels.bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png"
+step bench-quick 240 $PY -m hicache_kernels.bench --quick --refcheck --json "$OUT/bench.json" --plot "$OUT/bench.png"
 step pcie-quick 120 $PY -m hicache_kernels.pcie --quick --json "$OUT/pcie.json" --plot "$OUT/pcie.png"
 
 {

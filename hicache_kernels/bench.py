@@ -104,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write every point and the run's tags as JSON")
     p.add_argument("--csv", metavar="PATH", help="write every point as CSV")
     p.add_argument("--plot", metavar="PATH.png", help="plot GB/s vs page size per backend (needs matplotlib)")
+    p.add_argument("--refcheck", action="store_true", help="after timing, check each point's result bytes")
     p.add_argument(
         "--tune-auto",
         metavar="PATH",
@@ -172,7 +173,9 @@ class Workload:
     """Pools for one model, reused across points: a stacked device pool and one pinned host buffer
     viewed in each layout's shape (pinning once, not per point)."""
 
-    def __init__(self, model: ModelConfig, tokens: int, device: torch.device, pin: bool, headroom: int = 4) -> None:
+    def __init__(
+        self, model: ModelConfig, tokens: int, device: torch.device, pin: bool, headroom: int = 4, fill: bool = False
+    ) -> None:
         self.model = model
         self.device = device
         dtype = DTYPES[model.dtype]
@@ -183,8 +186,13 @@ class Workload:
         )
         self.dev_v = None if model.mla else torch.empty_like(self.dev_k)
         n = model.num_kv * model.num_layers * self.slots * model.head_num * model.head_dim
-        # Contents do not matter for timing (correctness is the tests' job): left uninitialised.
+        # Contents do not matter for timing: left uninitialised unless results are checked (--refcheck),
+        # where random bytes make a misplaced copy show.
         self.host_flat = torch.empty(n, dtype=dtype, pin_memory=pin)
+        if fill:
+            for t in (self.dev_k, self.dev_v, self.host_flat):
+                if t is not None:
+                    t.view(torch.uint8).random_(0, 256)
 
     def host(self, layout: str, page_size: int) -> torch.Tensor:
         shape = layouts.host_shape(
@@ -230,6 +238,20 @@ def transfer_fn(spec: PointSpec, work: Workload, stream: Any, gen: torch.Generat
         d, h = work.indices(spec.page_size, spec.num_pages, gen)
         state["d"], state["h"] = (d, h) if on_host else (d.to(work.device), h.to(work.device))
 
+    def check() -> bool:
+        """The last run's destination slots hold its source slots' bytes (plain indexing)."""
+        from .reference import host_items
+
+        d, h = state["d"].cpu(), state["h"].cpu()
+        pools = [work.dev_k] if work.dev_v is None else [work.dev_k, work.dev_v]
+        for kv, pool in enumerate(pools):
+            for layer in [0] if scope == "layer" else range(spec.model.num_layers):
+                dev = pool[layer][d.to(pool.device)].cpu().view(torch.uint8)
+                hst = host_items(host, spec.layout, spec.page_size, layer, h, None if work.dev_v is None else kv)
+                if not torch.equal(dev, hst):
+                    return False
+        return True
+
     def run() -> None:
         ops.transfer(
             direction, work.dev_k, work.dev_v, host, state["d"], state["h"], layout=spec.layout,
@@ -239,6 +261,7 @@ def transfer_fn(spec: PointSpec, work: Workload, stream: Any, gen: torch.Generat
 
     layers = 1 if scope == "layer" else spec.model.num_layers
     nbytes = spec.num_tokens * layers * spec.model.num_kv * spec.model.item_bytes
+    run.check = check  # type: ignore[attr-defined]
     return prepare, run, nbytes, backend
 
 
@@ -265,6 +288,7 @@ def run_sweep(
     tokens: int = 4096,
     progress: benchutil.Progress | None = None,
     pin: bool = True,
+    refcheck: bool = False,
 ) -> list[dict[str, Any]]:
     """Measure every spec; returns the points (see module docstring for the fields)."""
     gen = torch.Generator().manual_seed(seed)
@@ -276,7 +300,7 @@ def run_sweep(
         if spec.model.name not in work:
             work.clear()  # one model's pools at a time
             scratch.clear()
-            work[spec.model.name] = Workload(spec.model, tokens, device, pin)
+            work[spec.model.name] = Workload(spec.model, tokens, device, pin, fill=refcheck)
         w = work[spec.model.name]
         direction, scope = DIRECTIONS[spec.direction]
         prepare, run, nbytes, backend = transfer_fn(spec, w, stream, gen)
@@ -306,6 +330,12 @@ def run_sweep(
             "sm_budget": spec.sm_budget,
         }
         point["ratio_to_ceiling"] = point["gbps"] / point["ceiling_gbps"]
+        if refcheck:  # one more run on fresh indices, then compare what landed with the source
+            prepare()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            point["refcheck"] = run.check()
         if spec.backend == "auto":
             point["auto_choice"] = getattr(backend, "last_choice", None)
         if spec.backend == "batch":
@@ -623,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = benchutil.Progress(len(specs), "bench")
     points = run_sweep(specs, device=torch.device("cuda"), timer=benchutil.CudaEventTimer(stream),
                        repeats=args.repeats, warmup=args.warmup, stream=stream, seed=args.seed,
-                       tokens=args.tokens, progress=progress)  # fmt: skip
+                       tokens=args.tokens, progress=progress, refcheck=args.refcheck)  # fmt: skip
     progress.close()
     models = models_from_args(args)
     if args.interference:
@@ -654,7 +684,10 @@ def main(argv: list[str] | None = None) -> int:
         benchutil.write_csv(args.csv, meta, points)
     if args.plot:
         plot(args.plot, points, args.sm_budget)
-    return 0
+    wrong = [p for p in points if p.get("refcheck") is False]
+    for p in wrong:
+        print(f"REFCHECK FAILED: {p['backend']} {p['op']} {p['layout']} page {p['page_size']} sm {p['sm_budget']}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,15 @@ def _host_items(hv: torch.Tensor, layout: str, layer: int, slots: torch.Tensor, 
     raise ValueError(f"layout: unknown {layout!r}")
 
 
+def host_items(
+    host: torch.Tensor, layout: str, page_size: int, layer: int, slots: torch.Tensor, kv: int | None
+) -> torch.Tensor:
+    """The bytes of ``layer`` at host ``slots``: ``[n, H, D * elem]`` uint8 (``kv`` 0/1 for MHA, None
+    for MLA). Plain indexing of the layout's shape, like :func:`reference_transfer`."""
+    hv = _bytes(host if kv is None else host[kv])
+    return hv[_host_items(hv, layout, layer, slots.to(host.device), page_size)]
+
+
 def reference_transfer(
     *,
     direction: str,

@@ -119,6 +119,29 @@ def test_run_sweep_on_cpu_with_a_fake_timer():
     assert p["scope"] == "all" and p["direction"] == "h2d" and p["sm_budget"] is None
 
 
+@pytest.mark.parametrize("backends", ["direct,batch", "triton"])
+def test_refcheck_verifies_every_point(backends):
+    specs = custom_specs(backends)
+    points = bench.run_sweep(specs, device=torch.device("cpu"), timer=FakeTimer([1.0]), repeats=1, warmup=0,
+                             tokens=8, pin=False, refcheck=True)  # fmt: skip
+    assert [p["refcheck"] for p in points] == [True] * len(specs)
+
+
+def test_refcheck_catches_a_wrong_copy(monkeypatch):
+    from hicache_kernels import ops
+
+    real = ops.transfer
+
+    def off_by_one(direction, k, v, host, d, h, **kw):  # moves the right data to the wrong host slots
+        real(direction, k, v, host, d, (h + 1) % 8, **kw)
+
+    monkeypatch.setattr(ops, "transfer", off_by_one)
+    specs = [s for s in custom_specs("direct") if s.page_size == 1]
+    points = bench.run_sweep(specs, device=torch.device("cpu"), timer=FakeTimer([1.0]), repeats=1, warmup=0,
+                             tokens=8, pin=False, refcheck=True)  # fmt: skip
+    assert not any(p["refcheck"] for p in points)
+
+
 def test_kernel_ratios_match_times():
     points = [
         {"kind": "transfer", "model": "m", "backend": b, "op": "load_all", "layout": "x", "page_size": 1,
