@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mla", action="store_true", help="custom model: MLA (one latent vector per token)")
     p.add_argument("--page-sizes", default="1,4,16,64,128", help="comma list of tokens per page")
     p.add_argument("--tokens", type=int, default=4096, help="tokens moved per point (pages = tokens / page size)")
+    p.add_argument("--num-pages", help="comma list of page counts to sweep instead of --tokens (e.g. 8,64,512)")
     p.add_argument("--layouts", default=",".join(layouts.LAYOUTS), help="comma list of host layouts")
     p.add_argument("--directions", default=",".join(DIRECTIONS), help=f"comma list of {', '.join(DIRECTIONS)}")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of io-backends")
@@ -135,6 +136,13 @@ def models_from_args(args: argparse.Namespace) -> list[ModelConfig]:
     return [PRESETS[n] for n in names]
 
 
+def page_counts(args: argparse.Namespace, page_size: int) -> list[int]:
+    """Pages moved per point: ``--num-pages`` when given, else ``--tokens`` worth of pages."""
+    if args.num_pages:
+        return _csv_list(args.num_pages, int)
+    return [max(1, args.tokens // page_size)]
+
+
 def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
     """Every point the arguments ask for, in run order."""
     points = []
@@ -152,11 +160,11 @@ def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
             if model.mla and layout not in layouts.MLA_LAYOUTS:
                 continue
             for page in page_sizes:
-                pages = max(1, args.tokens // page)
-                for direction in directions:
-                    for b in backends:
-                        sm = None if b in COPY_ENGINE_BACKENDS else args.sm_budget
-                        points.append(PointSpec(model, b, direction, layout, page, pages, sm))
+                for pages in page_counts(args, page):
+                    for direction in directions:
+                        for b in backends:
+                            sm = None if b in COPY_ENGINE_BACKENDS else args.sm_budget
+                            points.append(PointSpec(model, b, direction, layout, page, pages, sm))
         # SM-budget sweep of the kernel at the middle page size, first layout.
         if "kernel" in backends:
             page = page_sizes[len(page_sizes) // 2]
@@ -653,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = benchutil.Progress(len(specs), "bench")
     points = run_sweep(specs, device=torch.device("cuda"), timer=benchutil.CudaEventTimer(stream),
                        repeats=args.repeats, warmup=args.warmup, stream=stream, seed=args.seed,
-                       tokens=args.tokens, progress=progress, refcheck=args.refcheck)  # fmt: skip
+                       tokens=max(s.num_tokens for s in specs), progress=progress,
+                       refcheck=args.refcheck)  # fmt: skip
     progress.close()
     models = models_from_args(args)
     if args.interference:

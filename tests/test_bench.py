@@ -83,6 +83,12 @@ def test_plan_sweep_quick_and_full():
     assert {p.num_pages * p.page_size for p in full} == {4096}
 
 
+def test_num_pages_sweep():
+    specs = bench.plan_sweep(bench.parse_args(["--num-pages", "2,8", "--page-sizes", "16", "--layouts", "page_first",
+                                               "--backends", "direct", "--directions", "load_all"]))  # fmt: skip
+    assert [(s.num_pages, s.num_tokens) for s in specs] == [(2, 32), (8, 128)]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
