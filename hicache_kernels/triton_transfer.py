@@ -8,6 +8,9 @@ The kernel implements the plan's byte formulas exactly (see :mod:`hicache_kernel
 It copies in the widest integer type (8, 4, 2 or 1 bytes) that divides every address, stride and
 ``chunk_bytes`` of the plan, so every dtype (fp16, bf16, fp32, fp8, uint8) and every item size (6-byte
 items, 656-byte items) moves bit-exactly; all strides reach the kernel in elements of that type.
+When every address and stride is also 16-byte aligned (``VEC > 1``), every address is formed from one
+aligned ``anchor`` pointer with alignment hints, so the compiled kernel uses 16-byte vector loads and
+stores (``ld/st.global.v2.b64`` or ``.v4.b32``; tests/test_triton_quality.py checks the PTX).
 
 Work split
 ----------
@@ -78,6 +81,7 @@ _WIDTH_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torc
 # import Triton, and so the interpreter/compiled choice follows TRITON_INTERPRET at first use.
 # --------------------------------------------------------------------------------------------------
 def _transfer_kernel(
+    anchor,  # a 16-byte-aligned ELEM pointer every address is taken relative to (see below)
     src,  # SRC_TABLE: int64 [num_kv * L] base addresses; else pointer to the pool's first byte
     dst,  # same, for the destination side
     src_idx,  # [n] source slot indices (any integer dtype), stride src_idx_stride elements
@@ -110,6 +114,8 @@ def _transfer_kernel(
     DST_TABLE: tl.constexpr,
     MULTI_CHUNK: tl.constexpr,  # False: the item is contiguous on both sides, skip the chunk split
     ELEM: tl.constexpr,  # tl.int64 / int32 / int16 / uint8: the copy unit
+    WIDTH: tl.constexpr,  # bytes of ELEM
+    VEC: tl.constexpr,  # ELEMs per 16 bytes when every address and stride is 16-byte aligned, else 1
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -118,15 +124,19 @@ def _transfer_kernel(
     kv = unit // layer_count
     layer = layer_begin + unit % layer_count
 
-    # Base of this (kv, layer) on each side: a table lookup, or the affine base plus kv/layer strides.
+    # Base of this (kv, layer) on each side, in ELEMs from ``anchor``: a table lookup, or the affine
+    # base plus kv/layer strides. Addressing everything from one pointer whose alignment Triton knows
+    # lets the alignment hints below reach the loads and stores (16-byte vectors when VEC > 1); a
+    # pointer read from a table or cast from an integer carries no alignment of its own.
+    origin = anchor.to(tl.int64)
     if SRC_TABLE:
-        src_base = tl.load(src + kv * src_num_layers + layer).to(tl.pointer_type(ELEM))
+        src_base = (tl.load(src + kv * src_num_layers + layer) - origin) // WIDTH
     else:
-        src_base = src.to(tl.pointer_type(ELEM)) + kv * src_s_kv + layer * src_s_layer
+        src_base = (src.to(tl.int64) - origin) // WIDTH + kv * src_s_kv + layer * src_s_layer
     if DST_TABLE:
-        dst_base = tl.load(dst + kv * dst_num_layers + layer).to(tl.pointer_type(ELEM))
+        dst_base = (tl.load(dst + kv * dst_num_layers + layer) - origin) // WIDTH
     else:
-        dst_base = dst.to(tl.pointer_type(ELEM)) + kv * dst_s_kv + layer * dst_s_layer
+        dst_base = (dst.to(tl.int64) - origin) // WIDTH + kv * dst_s_kv + layer * dst_s_layer
 
     rows = row_block * ROWS + tl.arange(0, ROWS).to(tl.int64)
     in_n = rows < n
@@ -134,8 +144,11 @@ def _transfer_kernel(
     d = tl.load(dst_idx + rows * dst_idx_stride, mask=in_n, other=0).to(tl.int64)
     # Out-of-range pairs are masked even for unchecked plans: never touch memory outside the pools.
     ok = in_n & (s >= 0) & (s < src_num_slots) & (d >= 0) & (d < dst_num_slots)
-    s_row = (s // src_page_size) * src_s_page + (s % src_page_size) * src_s_in_page
-    d_row = (d // dst_page_size) * dst_s_page + (d % dst_page_size) * dst_s_in_page
+    s_row = src_base + (s // src_page_size) * src_s_page + (s % src_page_size) * src_s_in_page
+    d_row = dst_base + (d // dst_page_size) * dst_s_page + (d % dst_page_size) * dst_s_in_page
+    # Every base and stride is a multiple of VEC ELEMs (the launcher checked): each row starts aligned.
+    s_row = tl.multiple_of(s_row, VEC)
+    d_row = tl.multiple_of(d_row, VEC)
 
     cols = tl.arange(0, BLOCK)
     for start in range(0, item_elems, BLOCK):
@@ -144,14 +157,17 @@ def _transfer_kernel(
             # Chunk c of an item sits s_chunk apart on each side; split in int32, widen before scaling.
             c = e // chunk_elems
             j = (e - c * chunk_elems).to(tl.int64)
-            s_col = c.to(tl.int64) * src_s_chunk + j
-            d_col = c.to(tl.int64) * dst_s_chunk + j
+            # Chunks and chunk strides are multiples of VEC: runs of VEC contiguous, aligned elements.
+            s_col = tl.max_contiguous(tl.multiple_of(c.to(tl.int64) * src_s_chunk + j, VEC), VEC)
+            d_col = tl.max_contiguous(tl.multiple_of(c.to(tl.int64) * dst_s_chunk + j, VEC), VEC)
         else:
             s_col = e.to(tl.int64)
             d_col = e.to(tl.int64)
-        mask = ok[:, None] & (e < item_elems)[None, :]
-        vals = tl.load(src_base + s_row[:, None] + s_col[None, :], mask=mask)
-        tl.store(dst_base + d_row[:, None] + d_col[None, :], vals, mask=mask)
+        # item_elems is a multiple of VEC: testing the start of e's VEC-group gives the same mask, and
+        # one that is visibly constant over each group (needed for vector accesses).
+        mask = ok[:, None] & ((e // VEC) * VEC < item_elems)[None, :]
+        vals = tl.load(anchor + s_row[:, None] + s_col[None, :], mask=mask)
+        tl.store(anchor + d_row[:, None] + d_col[None, :], vals, mask=mask)
 
 
 def _import_triton() -> Any:
@@ -184,11 +200,16 @@ def _side_values(side: Side) -> list[int]:
     return [*addrs, side.s_kv, side.s_layer, side.s_page, side.s_in_page, side.s_chunk]
 
 
-def pick_width(values: Iterable[int]) -> int:
-    """Largest of 8, 4, 2, 1 bytes dividing every value (zeros impose nothing)."""
+def _gcd(values: Iterable[int]) -> int:
     g = 0
     for v in values:
         g = math.gcd(g, int(v))
+    return g
+
+
+def pick_width(values: Iterable[int]) -> int:
+    """Largest of 8, 4, 2, 1 bytes dividing every value (zeros impose nothing)."""
+    g = _gcd(values)
     for width in (8, 4, 2):
         if g % width == 0:  # g == 0 (all zero) divides by anything: take 8
             return width
@@ -396,6 +417,7 @@ def run_triton(plan: TransferPlan) -> None:
                 values += [alias(a) for a in (side.table if side.is_table else (side.base,))]
     width = pick_width(values)
     elem = _WIDTH_DTYPES[width]
+    vec = 16 // width if _gcd(values) % 16 == 0 else 1  # the anchor itself is 16-byte aligned
     chunk_elems = plan.chunk_bytes // width
     item_elems = chunk_elems * plan.num_chunks
     rows, block, num_warps = launch_shape(item_elems, width)
@@ -420,6 +442,7 @@ def run_triton(plan: TransferPlan) -> None:
 
     def launch(src_arg: Any, dst_arg: Any, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         kernel[grid](
+            _anchor(width, device),
             src_arg,
             dst_arg,
             s_idx,
@@ -437,6 +460,8 @@ def run_triton(plan: TransferPlan) -> None:
             DST_TABLE=dst.is_table,
             MULTI_CHUNK=multi_chunk,
             ELEM=_tl_elem(width),
+            WIDTH=width,
+            VEC=vec,
             ROWS=rows,
             BLOCK=block,
             num_warps=num_warps,
@@ -466,6 +491,22 @@ def run_triton(plan: TransferPlan) -> None:
                 if isinstance(arg, torch.Tensor):
                     arg.record_stream(torch.cuda.current_stream(device))
         launch(src_arg, dst_arg, s_idx, d_idx)
+
+
+_anchors: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _anchor(width: int, device: torch.device | None) -> torch.Tensor:
+    """A small 16-byte-aligned tensor of the copy's element type on the launch device: the pointer
+    the kernel forms every address from (it is never read or written itself)."""
+    key = (str(device or "cpu"), width)
+    t = _anchors.get(key)
+    if t is None:
+        t = torch.zeros(16 // width if width < 16 else 1, dtype=_WIDTH_DTYPES[width], device=device or "cpu")
+        if t.data_ptr() % 16:
+            raise RuntimeError("triton backend: the allocator returned a tensor not aligned to 16 bytes")
+        _anchors[key] = t
+    return t
 
 
 def _cdiv(a: int, b: int) -> int:
