@@ -173,11 +173,16 @@ class BatchBackend(IOBackend):
 
 
 class KernelBackend(IOBackend):
-    """Zero-copy CUDA kernels on a bounded grid (see module docstring)."""
+    """Zero-copy CUDA kernels on a bounded grid (see module docstring).
+
+    ``count_skipped=True`` makes the kernels count the work units they skip for an out-of-range
+    index (in fast mode, ``check_indices=False``) in a device counter, without any sync;
+    :meth:`skipped` reads it (one sync) and resets it. A unit is one (index pair, K/V, layer, chunk).
+    """
 
     name = "kernel"
 
-    def __init__(self, num_blocks: int = 4, warps_per_block: int = 32) -> None:
+    def __init__(self, num_blocks: int = 4, warps_per_block: int = 32, count_skipped: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         if not isinstance(warps_per_block, int) or not 1 <= warps_per_block <= 32:
@@ -186,6 +191,25 @@ class KernelBackend(IOBackend):
         self.warps_per_block = warps_per_block
         # Keyed by the addresses themselves, which are also the table's content: never stale.
         self._tables: dict[tuple, torch.Tensor] = {}
+        self.count_skipped = count_skipped
+        self._skipped: dict[torch.device, torch.Tensor] = {}
+
+    def _skip_counter(self, device: torch.device) -> int:
+        if not self.count_skipped:
+            return 0
+        if device not in self._skipped:
+            self._skipped[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._skipped[device].data_ptr()
+
+    def skipped(self) -> int:
+        """Units skipped for out-of-range indices since the last call (syncs with the counters' devices)."""
+        if not self.count_skipped:
+            raise ValueError("count_skipped: this KernelBackend was built without count_skipped=True")
+        total = 0
+        for counter in self._skipped.values():
+            total += int(counter.item())
+            counter.zero_()
+        return total
 
     def unavailable(self, plan: TransferPlan) -> str | None:
         try:
@@ -239,7 +263,7 @@ class KernelBackend(IOBackend):
             src_desc, plan.src.is_table, dst_desc, plan.dst.is_table,
             idx[0].data_ptr(), idx[1].data_ptr(), n,
             plan.layer_begin, plan.layer_count, plan.num_kv, plan.num_chunks, plan.chunk_bytes, align,
-            self.num_blocks, self.warps_per_block, 0, stream.cuda_stream,
+            self.num_blocks, self.warps_per_block, self._skip_counter(device), stream.cuda_stream,
         )  # fmt: skip
 
 

@@ -170,6 +170,24 @@ def test_kernel_backend_passes_geometry_and_alignment(monkeypatch, layout, head_
     assert got_align % align == 0
 
 
+def test_kernel_backend_passes_a_skip_counter_only_when_asked(monkeypatch):
+    pretend_cuda(monkeypatch)
+    ext = RecordingExt()
+    monkeypatch.setattr(backends, "load_extension", lambda: ext)
+    monkeypatch.setattr(KernelBackend, "device_table", lambda self, side: torch.zeros(6, dtype=torch.int64))
+    plan, _ = plan_for()
+    KernelBackend().run(plan)
+    assert ext.calls[-1][1][15] == 0
+    counting = KernelBackend(count_skipped=True)
+    counting.run(plan)
+    counter = counting._skipped[plan.src.device]
+    assert ext.calls[-1][1][15] == counter.data_ptr()
+    counter.fill_(7)  # as the kernel would after skipping units
+    assert counting.skipped() == 7 and counting.skipped() == 0
+    with pytest.raises(ValueError, match="count_skipped"):
+        KernelBackend().skipped()
+
+
 def test_registry():
     assert get_backend("direct") is get_backend("direct")
     assert get_backend("kernel", num_blocks=2) is not get_backend("kernel")

@@ -76,6 +76,17 @@ def test_fast_mode_skips_bad_pairs_on_gpu(backend, direction):
     assert pools.equal(expected)
 
 
+def test_kernel_counts_skipped_units_without_a_sync():
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, device="cuda", pin=True,
+                       num_layers=3)  # fmt: skip
+    backend = get_backend("kernel", count_skipped=True)
+    d_idx, h_idx = torch.tensor([0, 1, 500], device="cuda"), torch.tensor([2, 3, 4], device="cuda")
+    ops.backup_all_layers(pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout="page_first",
+                          page_size=1, backend=backend, check_indices=False)  # fmt: skip
+    assert backend.skipped() == 1 * 2 * 3  # one bad pair x K/V x 3 layers
+    assert backend.skipped() == 0
+
+
 @pytest.mark.parametrize("backend", ["kernel", "triton"])
 def test_cuda_graph_capture_and_replay(backend):
     """Capture a backup + load pair; replays follow new data and new indices written in place."""
