@@ -10,11 +10,16 @@
 #   HICACHE_TORCH_SPEC   pip requirement for torch when .venv has none (default "torch")
 #   HICACHE_TRITON_SPEC  pip requirement for triton when .venv has none (default "triton")
 #   HICACHE_VENV         where the environment goes (default .venv); PYTHON: interpreter to create it
+#   HICACHE_SYSTEM_SITE=1  let the venv see the interpreter's packages (reuse an installed CUDA torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HICACHE_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
-  "${PYTHON:-python3}" -m venv "$VENV"
+  if [ "${HICACHE_SYSTEM_SITE:-0}" = 1 ]; then
+    "${PYTHON:-python3}" -m venv --system-site-packages "$VENV"
+  else
+    "${PYTHON:-python3}" -m venv "$VENV"
+  fi
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
