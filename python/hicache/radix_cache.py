@@ -341,8 +341,9 @@ class HiRadixCache:
         self.check_loads()
 
     # ------------------------------------------------------------------ eviction
-    def _nodes(self):
-        stack = list(self.root.children.values())
+    def _nodes(self, start: TreeNode | None = None):
+        """Every node below ``start`` (default: the root), ``start`` itself excluded."""
+        stack = list((start or self.root).children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -353,7 +354,7 @@ class HiRadixCache:
 
     def _delete(self, node: TreeNode) -> None:
         """Remove ``node`` and its subtree, freeing every slot they own (none may be in flight)."""
-        for x in [node, *self._subtree(node)]:
+        for x in [node, *self._nodes(node)]:
             if x.value is not None:
                 self.device_pool.free(x.value)
             if x.host_value is not None:
@@ -361,14 +362,6 @@ class HiRadixCache:
                 self.metrics.host_evicted_tokens += len(x.key)
             x.value = x.host_value = None
         del node.parent.children[node.key[: self.page_size]]
-
-    def _subtree(self, node: TreeNode) -> list[TreeNode]:
-        out, stack = [], list(node.children.values())
-        while stack:
-            x = stack.pop()
-            out.append(x)
-            stack.extend(x.children.values())
-        return out
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots if possible, least valuable device leaves first.
@@ -379,14 +372,16 @@ class HiRadixCache:
         heap = [(self.policy.key(n), n.id, n) for n in self._nodes() if self._is_device_leaf(n) and n.lock_ref == 0]
         heapq.heapify(heap)
         chosen: list[TreeNode] = []
+        chosen_ids: set[int] = set()
         planned = 0
         while planned < num_tokens and heap:
             _, _, x = heapq.heappop(heap)
             chosen.append(x)
+            chosen_ids.add(x.id)
             planned += len(x.value)
             parent = x.parent
             if parent is not self.root and parent.lock_ref == 0 and parent.value is not None:
-                if all(c.value is None or c in chosen for c in parent.children.values()):
+                if all(c.value is None or c.id in chosen_ids for c in parent.children.values()):
                     heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
         if self.write_policy == "write_back":
             pending = [x for x in chosen if x.host_value is None]
