@@ -26,9 +26,11 @@ from hicache import SlotState
 
 from test_cache_stress import OPS, WEIGHTS, Driver, SlowCopies, build, state_of, tree_nodes
 
+pytestmark = pytest.mark.slow  # long randomized runs: CI runs them once, in the main environment
+
 WORLD = 2
 STEPS = 2500
-TIMEOUT_S = 120
+TIMEOUT_S = 900  # a hang detector, not a speed limit: generous for a loaded 2-core CI machine
 
 PULSE = 100  # "stalled": rank 1's copies run only every PULSE steps
 
@@ -157,7 +159,7 @@ def rank_main(rank: int, init_file: str, names: list[str], out: mp.Queue) -> Non
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),  # a collective one rank skipped fails, not hangs
+            timeout=datetime.timedelta(seconds=300),  # a collective one rank skipped fails, not hangs
         )
         results = {}
         for name in names:
@@ -258,7 +260,8 @@ def test_without_tp_group_ranks_diverge(tp_results):
 
 
 def test_timings(tp_results):
+    # Reported, not asserted: wall-clock limits fail on a loaded CI machine (speed belongs in benchmarks).
     for rank in range(WORLD):
         seconds = {name: round(res["seconds"], 2) for name, res in tp_results[rank].items()}
         print(f"rank {rank}: {seconds}")
-        assert sum(seconds.values()) < 60
+        assert set(seconds) == set(SCENARIOS)
