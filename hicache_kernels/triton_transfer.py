@@ -28,9 +28,11 @@ Devices
 - CPU tensors run under Triton's interpreter and need ``TRITON_INTERPRET=1`` set before Triton is
   imported (tests/conftest.py does this). Affine sides are passed as ``uint8`` aliases of their
   tensor's storage starting at the side's base address; tables as CPU int64 tensors.
-- CUDA: tables become CUDA int64 tensors, cached by (device, addresses) so repeated calls and
-  CUDA-graph capture reuse them (the first call for a pool copies its table to the device: make it
-  before capturing). The launch goes to ``plan.stream`` if given, else the current stream, and never
+- CUDA: tables become CUDA int64 tensors (:class:`DeviceTables`), cached by (device, addresses) for
+  exactly as long as the memory of the tensors they were taken from lives, so repeated calls and
+  CUDA-graph capture reuse them and a captured graph's table is never freed under it (the first call
+  for a pool copies its table to the device, which cannot happen under capture: make it before
+  capturing). The launch goes to ``plan.stream`` if given, else the current stream, and never
   synchronises. Index tensors on the CPU are copied to the device first (use device indices under
   graph capture).
 - **Zero-copy host access (untested: no GPU run has exercised this path yet).** A host side whose
@@ -53,7 +55,7 @@ import functools
 import math
 import os
 import threading
-from collections import OrderedDict
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -71,7 +73,6 @@ MAX_BLOCK = 4096
 """Largest ``BLOCK`` (elements per row per iteration); longer items loop inside the program."""
 MAX_UNITS = 65535
 """CUDA's limit on grid dimension 1, which holds the (kv, layer) units."""
-_TABLE_CACHE_SIZE = 256
 
 _WIDTH_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -280,25 +281,94 @@ def _cpu_alias(side: Side, name: str) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (storage.nbytes() - offset,))
 
 
-_table_cache: OrderedDict[tuple[int, tuple[int, ...]], torch.Tensor] = OrderedDict()
-_table_lock = threading.Lock()
+TableKey = tuple[torch.device, tuple[int, ...]]
 
 
-def _cuda_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A CUDA int64 tensor of ``addresses``, cached so graph capture and repeated calls reuse it."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), addresses)
-    with _table_lock:
-        table = _table_cache.get(key)
-        if table is not None:
-            _table_cache.move_to_end(key)
+class DeviceTables:
+    """Device copies of table sides' address lists, each kept exactly as long as the memory it describes.
+
+    Key ``(device, addresses)``: a table's content *is* its key, so a cached table is never stale. A
+    pool allocated at the addresses of a dead one gets a table that is right for it, whether it is
+    built afresh or the old entry is still there (its release pending): equal addresses, equal content.
+
+    Lifetime: each :meth:`get` names the tensors its addresses were taken from (``Side.tensors``: the
+    pool's layers; for sgl-kernel-style pointer tables, the caller's table tensor); the entry holds a
+    weak reference (:func:`weakref.finalize`) to each distinct storage among them and is dropped
+    when the last of them dies. Storages, not tensors: a stacked pool arrives as fresh
+    per-layer views on every call, which die right after it, while its storage is the memory itself
+    (torch keeps one Python object per storage, finalized when the memory goes). Pools that share an
+    entry (aliases of one buffer, a new pool at a dead one's addresses) each add their storages, so
+    one's death never frees a table another live pool reads, and a table read by a captured CUDA graph
+    lives as long as the pool the graph writes. Memory is bounded by live storages: each entry holds
+    at least one (there is no count limit: an LRU of 256 freed tables that captured graphs still read).
+
+    ``build(addresses, device)`` makes a table; it is injectable so the lifetimes can be tested on CPU.
+    """
+
+    def __init__(self, build: Callable[[tuple[int, ...], torch.device], torch.Tensor]) -> None:
+        self._build = build
+        # Re-entrant: a release runs from a finalizer, possibly from a garbage collection that get()
+        # itself triggers while it holds the lock.
+        self._lock = threading.RLock()
+        self._tables: dict[TableKey, torch.Tensor] = {}
+        self._owners: dict[TableKey, set[int]] = {}  # id() of each live storage keeping the entry
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def get(
+        self,
+        addresses: tuple[int, ...],
+        device: torch.device,
+        owners: Iterable[torch.Tensor],
+        *,
+        capturing: bool = False,
+    ) -> torch.Tensor:
+        """The table of ``addresses`` on ``device``, kept while any storage of ``owners`` lives.
+
+        Raises ``RuntimeError`` when it must be built while ``capturing`` (a CUDA-graph capture cannot
+        contain the blocking upload) and ``ValueError`` when ``owners`` is empty.
+        """
+        storages = {id(s): s for s in (t.untyped_storage() for t in owners)}
+        if not storages:
+            raise ValueError("owners: a device table needs the tensors whose memory it describes")
+        key = (device, addresses)
+        with self._lock:
+            table = self._tables.get(key)
+            if table is None:
+                if capturing:
+                    raise RuntimeError(
+                        "triton backend: this pool's device table is made by its first transfer, which cannot "
+                        "run under CUDA-graph capture; run one transfer with the same pool before capturing"
+                    )
+                table = self._build(addresses, device)
+            held = self._owners.get(key, set())
+            for sid, storage in storages.items():
+                if sid not in held:  # an id is unique while its storage lives; its finalizer runs before reuse
+                    weakref.finalize(storage, self._release, key, sid).atexit = False
+                    held.add(sid)
+            # (Re)inserted last: a collection triggered above may have finalized this entry's other owners
+            # and dropped it; the owners just added keep it.
+            self._tables[key] = table
+            self._owners[key] = held
             return table
+
+    def _release(self, key: TableKey, sid: int) -> None:
+        with self._lock:
+            held = self._owners.get(key)
+            if held is None:
+                return
+            held.discard(sid)
+            if not held:
+                del self._owners[key], self._tables[key]
+
+
+def _upload_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
     # A blocking copy from pageable memory: complete on return, so any stream may read it afterwards.
-    table = torch.tensor(addresses, dtype=torch.int64, device=device)
-    with _table_lock:
-        _table_cache[key] = table
-        while len(_table_cache) > _TABLE_CACHE_SIZE:
-            _table_cache.popitem(last=False)
-    return table
+    return torch.tensor(addresses, dtype=torch.int64, device=device)
+
+
+_device_tables = DeviceTables(_upload_table)
 
 
 def _device_alias(host_ptr: int) -> int:
@@ -326,11 +396,14 @@ def _check_pinned(side: Side) -> None:
             )
 
 
-def _cuda_side_arg(side: Side, elem: torch.dtype, device: torch.device, alias: Callable[[int], int] | None) -> Any:
-    """Kernel argument for a side on a CUDA launch: a cached table, or a raw pointer to the base."""
+def _cuda_side_arg(
+    side: Side, elem: torch.dtype, device: torch.device, alias: Callable[[int], int] | None, *, capturing: bool
+) -> Any:
+    """Kernel argument for a side on a CUDA launch: a cached table (kept while ``side.tensors``' memory
+    lives), or a raw pointer to the base. ``device`` is a tensor's, so it carries its index."""
     if side.is_table:
         addresses = side.table if alias is None else tuple(alias(a) for a in side.table)
-        return _cuda_table(addresses, device)
+        return _device_tables.get(addresses, device, side.tensors, capturing=capturing)
     return _RawPointer(side.base if alias is None else alias(side.base), elem)
 
 
@@ -479,14 +552,15 @@ def run_triton(plan: TransferPlan) -> None:
 
     stream_ctx = torch.cuda.stream(plan.stream) if plan.stream is not None else contextlib.nullcontext()
     with torch.cuda.device(device), stream_ctx:
-        src_arg = _cuda_side_arg(src, elem, device, alias if _is_host(src) else None)
-        dst_arg = _cuda_side_arg(dst, elem, device, alias if _is_host(dst) else None)
+        capturing = torch.cuda.is_current_stream_capturing()
+        src_arg = _cuda_side_arg(src, elem, device, alias if _is_host(src) else None, capturing=capturing)
+        dst_arg = _cuda_side_arg(dst, elem, device, alias if _is_host(dst) else None, capturing=capturing)
         # CPU indices are copied on the launch stream, so the copy is ordered before the kernel.
         s_idx = src_idx if src_idx.device == device else src_idx.to(device, non_blocking=True)
         d_idx = dst_idx if dst_idx.device == device else dst_idx.to(device, non_blocking=True)
-        if not torch.cuda.is_current_stream_capturing():
-            # A cached table may be evicted and freed while this launch is still queued on another
-            # stream; recording the stream keeps its memory from being reused until the launch ran.
+        if not capturing:
+            # A table is freed when its pool's memory dies, which may be before this launch, queued
+            # on another stream, has run; recording the stream keeps its memory from being reused until then.
             for arg in (src_arg, dst_arg):
                 if isinstance(arg, torch.Tensor):
                     arg.record_stream(torch.cuda.current_stream(device))

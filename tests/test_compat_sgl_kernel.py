@@ -13,7 +13,7 @@ from hicache_kernels import layouts
 from hicache_kernels.compat import sgl_kernel as sk
 from hicache_kernels.reference import reference_transfer
 
-from kvdata import poison_, random_bytes_, same_bytes
+from kvdata import POISON, poison_, random_bytes_, same_bytes
 
 L, N_DEV, N_HOST, H, D, PAGE = 3, 40, 16, 2, 6, 4
 CUDA = torch.cuda.is_available()
@@ -34,11 +34,19 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
+def layer_poison(seed, layer):
+    """The poison byte of ``layer`` in the pool made with ``seed``: distinct for every (seed, layer) with
+    seed < 16, so an expectation taken from another layer or another pool (K for V) cannot match."""
+    return (POISON + 16 * seed + layer) % 256
+
+
 def device_layers(mla=False, fill="random", seed=0):
+    """``L`` per-layer ``[N_DEV, h, D]`` tensors: random bytes, or each layer its own poison byte.
+    Give K and V (and any two pools of one test) different seeds."""
     h = 1 if mla else H
     out = [torch.empty(N_DEV, h, D, dtype=DT) for _ in range(L)]
     for i, t in enumerate(out):
-        random_bytes_(t, gen(seed * 10 + i)) if fill == "random" else poison_(t)
+        random_bytes_(t, gen(seed * 10 + i)) if fill == "random" else t.view(torch.uint8).fill_(layer_poison(seed, i))
     return [t.to(DEV) for t in out]
 
 
@@ -72,22 +80,22 @@ def check(k, v, host, exp):
     assert same_bytes(host, exp[2])
 
 
+@pytest.mark.gpu_smoke  # runs on CUDA pools when a GPU is visible
 def test_per_layer_lf_lf():
     src_k, src_v = device_layers(seed=1), device_layers(seed=2)
-    dst_k, dst_v = device_layers(fill="poison"), device_layers(fill="poison")
+    dst_k, dst_v = device_layers(fill="poison", seed=3), device_layers(fill="poison", seed=4)
     si, di = idx()[0], torch.randperm(N_DEV, generator=gen(5))[:6]
-    before = [t.clone() for t in dst_k]
+    exp_k, exp_v = [t.clone() for t in dst_k], [t.clone() for t in dst_v]
+    exp_k[1][di] = src_k[1][si]
+    exp_v[1][di] = src_v[1][si]
     sk.transfer_kv_per_layer(src_k[1], dst_k[1], src_v[1], dst_v[1], si, di, ITEM)
-    exp_k, exp_v = before[1].clone(), dst_v[0].clone()
-    exp_k[di] = src_k[1][si]
-    exp_v[di] = src_v[1][si]
-    assert same_bytes(dst_k[1], exp_k) and same_bytes(dst_v[1], exp_v)
-    assert same_bytes(dst_k[0], before[0]) and same_bytes(dst_k[2], before[2])
+    # Every layer of both pools: layer 1 written, layers 0 and 2 untouched.
+    assert all(same_bytes(a, b) for a, b in zip(dst_k + dst_v, exp_k + exp_v, strict=True))
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_head"])
 def test_per_layer_host_to_device(layout):
-    k, v = device_layers(fill="poison"), device_layers(fill="poison")
+    k, v = device_layers(fill="poison", seed=1), device_layers(fill="poison", seed=2)
     host = host_pool(layout)
     d_idx, h_idx = idx()
     exp = expect("h2d", k, v, host, d_idx, h_idx, layout, [2])
@@ -111,9 +119,10 @@ def test_all_layer_device_to_host(layout):
     check(k, v, host, exp)
 
 
+@pytest.mark.gpu_smoke  # runs on CUDA pools when a GPU is visible
 def test_all_layer_tables_both_sides():
     src_k, src_v = device_layers(seed=5), device_layers(seed=6)
-    dst_k, dst_v = device_layers(fill="poison"), device_layers(fill="poison")
+    dst_k, dst_v = device_layers(fill="poison", seed=1), device_layers(fill="poison", seed=2)
     si, di = idx(seed=3)[0], torch.randperm(N_DEV, generator=gen(9))[:6]
     exp_k, exp_v = [t.clone() for t in dst_k], [t.clone() for t in dst_v]
     for e, s in zip(exp_k + exp_v, src_k + src_v, strict=True):
@@ -122,6 +131,7 @@ def test_all_layer_tables_both_sides():
     assert all(same_bytes(a, b) for a, b in zip(dst_k + dst_v, exp_k + exp_v, strict=True))
 
 
+@pytest.mark.gpu_smoke  # runs on CUDA pools when a GPU is visible
 def test_mla_variants():
     item = D * DT.itemsize
     kv = device_layers(mla=True, seed=8)
@@ -131,25 +141,28 @@ def test_mla_variants():
     sk.transfer_kv_all_layer_mla_lf_pf(table(kv), host, d_idx, h_idx, item, L * item, L)
     check(kv, None, host, exp)
 
-    back = device_layers(mla=True, fill="poison")
+    back = device_layers(mla=True, fill="poison", seed=1)
     exp = expect("h2d", back, None, host, d_idx, h_idx, "page_first", [1])
     sk.transfer_kv_per_layer_mla_pf_lf(host, back[1], h_idx, d_idx, 1, item, L * item)
     check(back, None, host, exp)
 
-    dst = device_layers(mla=True, fill="poison")
+    dst = device_layers(mla=True, fill="poison", seed=2)
     si, di = d_idx, torch.randperm(N_DEV, generator=gen(11))[:6]
     exp_layers = [t.clone() for t in dst]
     for e, s in zip(exp_layers, kv, strict=True):
         e[di] = s[si]
     sk.transfer_kv_all_layer_mla(table(kv), table(dst), si, di, item, L)
     assert all(same_bytes(a, b) for a, b in zip(dst, exp_layers, strict=True))
-    one = device_layers(mla=True, fill="poison")
+    one = device_layers(mla=True, fill="poison", seed=3)
+    exp_one = [t.clone() for t in one]
+    exp_one[0][di] = kv[0][si]
     sk.transfer_kv_per_layer_mla(kv[0], one[0], si, di, item)
-    assert same_bytes(one[0], exp_layers[0])
+    assert all(same_bytes(a, b) for a, b in zip(one, exp_one, strict=True))
 
 
+@pytest.mark.gpu_smoke  # runs on CUDA pools when a GPU is visible
 def test_transfer_kv_direct_merges_runs():
-    src, dst = device_layers(seed=12), device_layers(fill="poison")
+    src, dst = device_layers(seed=12), device_layers(fill="poison", seed=1)
     si = torch.tensor([4, 5, 6, 7, 20, 21])
     di = torch.tensor([8, 9, 10, 11, 0, 1])
     exp = [t.clone() for t in dst]
@@ -162,12 +175,13 @@ def test_transfer_kv_direct_merges_runs():
 def test_out_of_range_index_is_skipped_with_tensors():
     """With tensors (not pointer tables) the kernels know the pool sizes and skip a bad index."""
     src_k, src_v = device_layers(seed=13), device_layers(seed=14)
-    dst_k, dst_v = device_layers(fill="poison"), device_layers(fill="poison")
+    dst_k, dst_v = device_layers(fill="poison", seed=1), device_layers(fill="poison", seed=2)
     si, di = torch.tensor([0, 1, N_DEV]), torch.tensor([3, N_DEV + 5, 4])
-    exp_k = dst_k[0].clone()
-    exp_k[3] = src_k[0][0]
+    exp_k, exp_v = [t.clone() for t in dst_k], [t.clone() for t in dst_v]
+    exp_k[0][3] = src_k[0][0]
+    exp_v[0][3] = src_v[0][0]
     sk.transfer_kv_per_layer(src_k[0], dst_k[0], src_v[0], dst_v[0], si, di, ITEM)
-    assert same_bytes(dst_k[0], exp_k)
+    assert all(same_bytes(a, b) for a, b in zip(dst_k + dst_v, exp_k + exp_v, strict=True))
 
 
 @pytest.mark.parametrize(

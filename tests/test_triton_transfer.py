@@ -9,9 +9,11 @@ Tests marked ``gpu`` run the same kernel compiled on a CUDA device with a pinned
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -344,6 +346,146 @@ def test_mismatched_index_lengths_raise() -> None:
         tt.run_triton(bad)
 
 
+# -- device tables: each lives exactly as long as the memory of the pool it describes -------------------
+# The lifetime logic is device-independent: CPU tensors stand in for CUDA pools and the builder makes CPU
+# tables, so these run without a GPU; test_gpu_captured_table_outlives_many_other_pools runs it for real.
+
+CPU = torch.device("cpu")
+
+
+def _tables() -> tuple[tt.DeviceTables, list[tuple[int, ...]]]:
+    """A fresh cache with a recording CPU builder: ``built`` lists every table it had to make."""
+    built: list[tuple[int, ...]] = []
+
+    def build(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        built.append(addresses)
+        return torch.tensor(addresses, dtype=torch.int64, device=device)
+
+    return tt.DeviceTables(build), built
+
+
+def _layer_pool(layers: int = 2) -> list[torch.Tensor]:
+    """A per-layer pool: one tensor (one storage) per (kv, layer)."""
+    return [torch.empty(4, dtype=torch.int64) for _ in range(layers)]
+
+
+def _addresses(pool: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in pool)
+
+
+def test_device_tables_keep_every_live_pool() -> None:
+    """More live pools than the old cache's 256 entries: every table stays and is built once."""
+    cache, built = _tables()
+    pools = [_layer_pool() for _ in range(300)]
+    first = [cache.get(_addresses(p), CPU, p) for p in pools]
+    again = [cache.get(_addresses(p), CPU, p) for p in pools]
+    assert len(cache) == 300 and len(built) == 300
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    assert all(t.tolist() == list(_addresses(p)) for t, p in zip(again, pools, strict=True))
+
+
+def test_device_table_released_with_its_pool() -> None:
+    cache, built = _tables()
+    pool = _layer_pool()
+    table = weakref.ref(cache.get(_addresses(pool), CPU, pool))
+    gc.collect()
+    assert len(cache) == 1 and table() is not None
+    pool.pop()  # one layer's memory gone: the entry stays while any of the pool's memory lives
+    gc.collect()
+    assert len(cache) == 1 and table() is not None
+    del pool
+    gc.collect()
+    assert len(cache) == 0 and table() is None
+
+
+def test_device_table_of_stacked_pool_outlives_its_views() -> None:
+    """A stacked pool reaches the cache as fresh per-layer views each call: its storage is what counts."""
+    cache, built = _tables()
+    stacked = torch.empty(4, 3, 2)  # [kv * L, N, item]
+
+    def get(pool: torch.Tensor) -> torch.Tensor:
+        views = list(pool.unbind(0))
+        return cache.get(_addresses(views), CPU, views)
+
+    first = weakref.ref(get(stacked))
+    gc.collect()  # the views are gone
+    assert len(cache) == 1 and first() is get(stacked) and len(built) == 1
+    del stacked
+    gc.collect()
+    assert len(cache) == 0 and first() is None
+
+
+def test_device_table_for_recycled_addresses() -> None:
+    """Pools made again over the same bytes have the same addresses and a new storage each time (what a
+    new pool at a dead one's addresses looks like). The table is right for whoever asks, and a dead
+    pool's release never takes the table of a live one at the same addresses."""
+    cache, built = _tables()
+    buf = bytearray(64)
+
+    def pool_on_buf() -> list[torch.Tensor]:
+        whole = torch.frombuffer(buf, dtype=torch.int64)
+        return [whole[:4], whole[4:]]
+
+    old = pool_on_buf()
+    addrs = _addresses(old)
+    cache.get(addrs, CPU, old)
+    del old
+    gc.collect()
+    assert len(cache) == 0  # released with the old pool, not kept for its addresses
+    new = pool_on_buf()
+    assert _addresses(new) == addrs
+    table = cache.get(addrs, CPU, new)
+    assert table.tolist() == list(addrs) and len(built) == 2
+
+    # Two live storages at the same addresses share the entry; the first one's death keeps it.
+    other = pool_on_buf()
+    assert cache.get(addrs, CPU, other) is table and len(built) == 2
+    del new
+    gc.collect()
+    assert len(cache) == 1 and cache.get(addrs, CPU, other) is table and len(built) == 2
+    del other
+    gc.collect()
+    assert len(cache) == 0
+
+
+def test_device_table_is_not_built_under_capture() -> None:
+    """Under CUDA-graph capture the blocking upload cannot run: a missing table is an error naming the
+    fix, a cached one is returned."""
+    cache, built = _tables()
+    pool = _layer_pool()
+    with pytest.raises(RuntimeError, match="before capturing"):
+        cache.get(_addresses(pool), CPU, pool, capturing=True)
+    assert len(cache) == 0 and built == []
+    table = cache.get(_addresses(pool), CPU, pool)
+    assert cache.get(_addresses(pool), CPU, pool, capturing=True) is table
+
+
+def test_cuda_side_arg_ties_the_table_to_the_plans_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher hands the cache the side's tensors: the table of a stacked device pool lives as
+    long as that pool, not as long as the plan's per-layer views."""
+    cache, built = _tables()
+    monkeypatch.setattr(tt, "_device_tables", cache)
+    case = Case("page_first", False, torch.float16, 1, 2, 8, None, "h2d", num_layers=2, n=3)
+    pools = _pools(case)
+    k, v = torch.stack(pools.k), torch.stack(pools.v)
+    dev_idx, host_idx = _indices(case, 0)
+
+    def table(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        plan = ops.build_plan("h2d", k, v, pools.host, dev_idx, host_idx, layout=case.layout, page_size=1)
+        return tt._cuda_side_arg(plan.dst, torch.int64, CPU, None, capturing=False)
+
+    first = table(k, v)
+    gc.collect()
+    assert table(k, v) is first and len(cache) == 1
+    assert first.tolist() == [t.data_ptr() for t in [*k.unbind(0), *v.unbind(0)]]
+    del k
+    gc.collect()
+    assert len(cache) == 1  # v's storage still lives
+    del v
+    gc.collect()
+    assert len(cache) == 0
+
+
 # -- GPU (compiled kernel, zero-copy pinned host pool) --------------------------------------------------
 
 needs_compiled = pytest.mark.skipif(
@@ -426,3 +568,61 @@ def test_gpu_graph_capture_replays_the_transfer() -> None:
     graph.replay()
     torch.cuda.synchronize()
     _assert_pools_equal(pools, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_smoke
+@needs_compiled
+def test_gpu_captured_table_outlives_many_other_pools() -> None:
+    """A load captured in a CUDA graph reads its pool's device table on every replay, however many
+    other pools come by: the old cache (an LRU of 256 tables) freed it, the next table of the same size
+    took its memory, and the replay wrote into another pool."""
+    case = Case("page_first", False, torch.bfloat16, 1, 2, 64, 1, "h2d", dev_slots=64, host_slots=64, n=16)
+    torch.manual_seed(9)
+    pools = _pools(case, device="cuda")
+    dev_idx, host_idx = (t.cuda() for t in _indices(case, 9))
+    plan = _plan(case, pools, dev_idx, host_idx, check_indices=False)
+    tt.run_triton(plan)  # warm-up: compiles the kernel and makes the pool's device table
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tt.run_triton(plan)
+    torch.cuda.synchronize()
+    gc.collect()
+    tables = len(tt._device_tables)
+
+    others = _loaded_other_pools(case, pools.host, dev_idx, host_idx, count=400)
+    torch.cuda.synchronize()
+    assert len(tt._device_tables) == tables + len(others)
+    loaded = [t.clone() for o in others for t in o.k + o.v]
+
+    for t in pools.k + pools.v:
+        _bits(t).fill_(POISON)
+    cpu = Pools([t.cpu() for t in pools.k], [t.cpu() for t in pools.v], pools.host.clone())
+    want = _expected(case, cpu, dev_idx.cpu(), host_idx.cpu())
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_pools_equal(pools, want)
+    layers = [t for o in others for t in o.k + o.v]
+    written = [i for i, (a, b) in enumerate(zip(layers, loaded, strict=True)) if not torch.equal(_bits(a), _bits(b))]
+    assert not written, f"the replay wrote into other pools' layers {written}"
+
+    del others, layers, loaded
+    gc.collect()
+    assert len(tt._device_tables) == tables  # their tables went with them
+
+
+def _loaded_other_pools(
+    case: Case, host: torch.Tensor, dev_idx: torch.Tensor, host_idx: torch.Tensor, count: int
+) -> list[Pools]:
+    """``count`` per-layer device pools shaped like ``case``'s (so their tables are the same size),
+    poisoned, each loaded once from ``host`` with the same indices."""
+    shape = (case.dev_slots, case.head_num, case.head_dim)
+    out = []
+    for _ in range(count):
+        k = [_filled(shape, case.dtype, random=False, device="cuda") for _ in range(case.num_layers)]
+        v = [_filled(shape, case.dtype, random=False, device="cuda") for _ in range(case.num_layers)]
+        other = Pools(k, v, host)
+        tt.run_triton(_plan(case, other, dev_idx, host_idx, check_indices=False))
+        out.append(other)
+    return out
