@@ -151,6 +151,7 @@ def test_layer_wise_load_through_the_cache_matches_all_at_once():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 def test_controller_on_gpu_with_kernel_backend(write_policy):
     """Pinned host pool, real streams, worker threads, zero-copy kernels."""

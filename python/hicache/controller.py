@@ -6,7 +6,8 @@ scheduler's thread, and reports completions back to the tree.
   acks when it polls (:meth:`HiCacheController.finished_writes` / ``finished_loads``), so all tree
   mutations stay on the scheduler's thread.
 - Loads run layer by layer and tick a :class:`LayerDoneCounter`, so a forward pass can start layer
-  ``k`` as soon as its KV has arrived while later layers are still loading.
+  ``k`` as soon as its KV has arrived while later layers are still loading. Each load batch keeps
+  its per-layer events until the copy has landed and is acknowledged (:meth:`LayerDoneCounter.finish`).
 - Tensor parallelism: every rank runs the same tree logic; what differs between ranks is timing
   (how many copies have finished). Whenever a decision depends on timing, ranks agree by an
   all-reduce (MIN) over the given process group: always issued, whatever the local value, because a
@@ -26,6 +27,7 @@ import torch
 from hicache_kernels import ops
 from hicache_kernels.backends import get_backend
 
+from .layer_counter import LayerDoneCounter
 from .pools import DeviceKVPool, HostKVPool
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -70,70 +72,6 @@ class CacheMetrics:
             load_back_latency_max_s=max(lat, default=0.0),
         )
         return d
-
-
-class LayerDoneCounter:
-    """Per-layer completion of load batches.
-
-    :meth:`start` opens a batch (a *generation*); the loader calls :meth:`layer_done` with that
-    generation after issuing each layer's copy; the forward pass calls :meth:`wait_until` before
-    reading a layer, for the newest batch unless told otherwise. Batches may overlap (a new one can
-    start while an older one is still loading): each keeps its own count, so an older batch's layers
-    never count for a newer one. On a GPU each layer is a CUDA event (recorded on the load stream,
-    waited on by the consumer's stream: the host does not block on the copy); on CPU a condition
-    variable.
-    """
-
-    def __init__(self, num_layers: int, device: torch.device | None = None) -> None:
-        self.num_layers = num_layers
-        self.cuda = device is not None and device.type == "cuda"
-        self._cond = threading.Condition()
-        self._generation = 0
-        self._done: dict[int, int] = {}  # generation -> layers done (complete old ones are dropped)
-        self._events: dict[int, list[Any]] = {}
-
-    def start(self) -> int:
-        """Open a new load batch (all layers pending); returns its generation number."""
-        with self._cond:
-            self._generation += 1
-            self._done[self._generation] = 0
-            self._events[self._generation] = [None] * self.num_layers
-            return self._generation
-
-    def layer_done(self, layer: int, stream: Any = None, generation: int | None = None) -> None:
-        with self._cond:
-            gen = self._generation if generation is None else generation
-            if gen not in self._done:
-                raise ValueError(f"generation: {gen} is not a load batch in progress")
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                self._events[gen][layer] = ev
-            self._done[gen] = max(self._done[gen], layer + 1)
-            if self._done[gen] == self.num_layers and gen != self._generation:
-                del self._done[gen], self._events[gen]  # an older batch, complete: nobody waits on it now
-            self._cond.notify_all()
-
-    def _layers_done(self, gen: int) -> int:
-        return self._done.get(gen, self.num_layers)  # dropped (complete) or never started: all ready
-
-    def wait_until(self, layer: int, timeout: float | None = 60.0, generation: int | None = None) -> None:
-        """Block (CPU) or make the current CUDA stream wait (GPU) until ``layer`` of the batch
-        ``generation`` (default: the newest) has loaded. Returns at once when no batch was started."""
-        with self._cond:
-            gen = self._generation if generation is None else generation
-            if not self._cond.wait_for(lambda: self._layers_done(gen) > layer, timeout=timeout):
-                raise TimeoutError(f"layer {layer} of load generation {gen} did not finish")
-            events = self._events.get(gen)
-            ev = events[layer] if self.cuda and events else None
-        if ev is not None:
-            torch.cuda.current_stream().wait_event(ev)
-
-    @property
-    def layers_done(self) -> int:
-        """Layers of the newest batch that have loaded."""
-        with self._cond:
-            return self._layers_done(self._generation)
 
 
 @dataclass
@@ -313,22 +251,30 @@ class HiCacheController:
         stream = self._write_stream if op.kind == "write" else self._load_stream
         common = dict(layout=hp.layout, page_size=hp.page_size, backend=self.backend, stream=stream)
         start = time.perf_counter()
-        if stream is not None and op.ready is not None:
-            stream.wait_event(op.ready)
-        if op.kind == "write":
-            ops.backup_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
-        elif self.layer_wise:
-            for layer in range(dp.num_layers):
-                ops.load_layer(
-                    dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, layer_id=layer, **common
-                )
-                self.layer_counter.layer_done(layer, stream, op.generation)
-        else:
-            ops.load_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
-            for layer in range(dp.num_layers):
-                self.layer_counter.layer_done(layer, stream, op.generation)
-        if stream is not None:
-            stream.synchronize()  # the ack promises the data has landed
+        try:
+            if stream is not None and op.ready is not None:
+                stream.wait_event(op.ready)
+            if op.kind == "write":
+                ops.backup_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+            elif self.layer_wise:
+                for layer in range(dp.num_layers):
+                    ops.load_layer(
+                        dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, layer_id=layer,
+                        **common,
+                    )  # fmt: skip
+                    self.layer_counter.layer_done(layer, stream, op.generation)
+            else:
+                ops.load_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+                for layer in range(dp.num_layers):
+                    self.layer_counter.layer_done(layer, stream, op.generation)
+            if stream is not None:
+                stream.synchronize()  # the ack promises the data has landed
+        except BaseException as exc:
+            if op.kind == "load":  # its consumers must fail, not wait for layers that never come
+                self.layer_counter.abort(op.generation, exc)
+            raise
+        if op.kind == "load":
+            self.layer_counter.finish(op.generation)  # landed: release its events before the ack
         elapsed = time.perf_counter() - start
         tokens = len(op.device_indices)
         nbytes = tokens * dp.bytes_per_slot
