@@ -22,6 +22,20 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
+// For the entry points that check their arguments (they reset the record first): a refused
+// argument is a ValueError naming it (common.cuh); cudaErrorInvalidValue from CUDA itself is not.
+void raise_argument_error(cudaError_t err) {
+  if (err == cudaErrorInvalidValue && *hicache::argument_error() != '\0') {
+    throw py::value_error(hicache::argument_error());
+  }
+}
+
+// check() for the entry points that check their arguments.
+void check_args(cudaError_t err, const char* what) {
+  raise_argument_error(err);
+  check(err, what);
+}
+
 py::dict build_info() {
   py::dict d;
   d["archs"] = HICACHE_ARCH_LIST;
@@ -51,7 +65,8 @@ int device_count() {
 py::tuple kernel_image_versions(int device) {
   int binary = 0;
   int ptx = 0;
-  check(hicache::kernel_image_versions(device, &binary, &ptx), "cudaFuncGetAttributes");
+  check_args(hicache::kernel_image_versions(device, &binary, &ptx),
+             "kernel_image_versions (cuKernelGetAttribute)");
   return py::make_tuple(binary, ptx);
 }
 
@@ -87,13 +102,13 @@ void transfer(const py::sequence& src_desc, bool src_table, const py::sequence& 
   cudaError_t err;
   {
     py::gil_scoped_release release;
-    err = hicache::launch_transfer(
-        src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
-        as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count, num_kv, num_chunks,
-        chunk_bytes, align_bytes, num_blocks, warps_per_block, as_ptr<int>(oob_count_ptr),
-        as_stream(stream));
+    err =
+        hicache::launch_transfer(src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
+                                 as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count,
+                                 num_kv, num_chunks, chunk_bytes, align_bytes, num_blocks,
+                                 warps_per_block, as_ptr<int>(oob_count_ptr), as_stream(stream));
   }
-  check(err, "launch_transfer");
+  check_args(err, "launch_transfer");
 }
 
 int vector_bytes(int64_t align_bytes) {
@@ -115,16 +130,21 @@ void memcpy_fragments(std::uintptr_t dst_ptr, std::uintptr_t dst_pitch_ptr, std:
         as_ptr<const int64_t>(width_ptr), as_ptr<const int64_t>(height_ptr), count,
         as_stream(stream));
   }
-  check(err, "memcpy_fragments");
+  check_args(err, "memcpy_fragments");
 }
 
+// CUDA's status is returned, not raised: the caller decides which errors allow another way.
 int memcpy_batch(std::uintptr_t dst_ptr, std::uintptr_t src_ptr, std::uintptr_t sizes_ptr,
                  int64_t count, int direction, std::uintptr_t stream) {
-  py::gil_scoped_release release;
-  return static_cast<int>(hicache::memcpy_batch(as_ptr<const int64_t>(dst_ptr),
-                                                as_ptr<const int64_t>(src_ptr),
-                                                as_ptr<const int64_t>(sizes_ptr), count, direction,
-                                                as_stream(stream)));
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = hicache::memcpy_batch(as_ptr<const int64_t>(dst_ptr), as_ptr<const int64_t>(src_ptr),
+                                as_ptr<const int64_t>(sizes_ptr), count, direction,
+                                as_stream(stream));
+  }
+  raise_argument_error(err);
+  return static_cast<int>(err);
 }
 
 std::string error_name(int code) { return cudaGetErrorName(static_cast<cudaError_t>(code)); }
@@ -145,14 +165,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("driver_version", &driver_version, "CUDA version the driver supports; 0 without a driver.");
   m.def("device_count", &device_count, "Number of CUDA devices; raises without a driver.");
   m.def("kernel_image_versions", &kernel_image_versions, py::arg("device"),
-        "(binaryVersion, ptxVersion) of this build's code for the device; raises when none fits.");
+        "(binaryVersion, ptxVersion) of this build's code for the device, asked of the driver "
+        "without changing the current device; raises RuntimeError when none fits.");
   m.def("transfer", &transfer, py::arg("src_desc"), py::arg("src_table"), py::arg("dst_desc"),
         py::arg("dst_table"), py::arg("src_idx_ptr"), py::arg("dst_idx_ptr"), py::arg("n"),
         py::arg("layer_begin"), py::arg("layer_count"), py::arg("num_kv"), py::arg("num_chunks"),
         py::arg("chunk_bytes"), py::arg("align_bytes"), py::arg("num_blocks"),
         py::arg("warps_per_block"), py::arg("oob_count_ptr"), py::arg("stream"),
-        "Launch one chunk gather/scatter (csrc/transfer.h). Descs are plan.Side.desc() 9-tuples "
-        "(bytes); index and counter pointers are device addresses (oob_count_ptr 0 = none).");
+        "Launch one chunk gather/scatter (csrc/transfer.h) on the current device. Descs are "
+        "plan.Side.desc() 9-tuples (bytes); index and counter pointers are device addresses "
+        "(oob_count_ptr 0 = none). ValueError naming a bad argument (checked before any CUDA "
+        "call), RuntimeError for a CUDA error.");
   m.def("vector_bytes", &vector_bytes, py::arg("align_bytes"),
         "Vector width the transfer kernel uses when all addresses/strides are multiples of "
         "align_bytes: the largest of 16, 8, 4, 2, 1 dividing it (16 for 0).");
@@ -160,11 +183,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("src_ptr"), py::arg("src_pitch_ptr"), py::arg("width_ptr"), py::arg("height_ptr"),
         py::arg("count"), py::arg("stream"),
         "cudaMemcpyAsync / cudaMemcpy2DAsync per fragment; *_ptr are addresses of host int64 "
-        "arrays of `count` entries (bytes). Raises on the first error.");
+        "arrays of `count` entries (bytes). ValueError naming a bad fragment (all are checked "
+        "before the first copy), RuntimeError for the first CUDA error.");
   m.def("memcpy_batch", &memcpy_batch, py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("sizes_ptr"),
         py::arg("count"), py::arg("direction"), py::arg("stream"),
-        "All 1-D fragments in one cudaMemcpyBatchAsync (direction 0 = d2h, 1 = h2d); *_ptr are "
-        "addresses of host int64 arrays. Returns the cudaError_t as an int (0 = success).");
+        "All 1-D fragments in one cudaMemcpyBatchAsync (direction 0 = d2h, 1 = h2d) on a stream "
+        "other than the legacy default one; *_ptr are addresses of host int64 arrays. ValueError "
+        "naming a bad argument; otherwise returns CUDA's cudaError_t as an int (0 = success).");
   m.def("error_name", &error_name, py::arg("code"), "cudaGetErrorName of a cudaError_t value.");
   m.def("host_device_pointer", &host_device_pointer, py::arg("host_ptr"),
         "Device address of (any byte of) pinned host memory; raises for pageable memory.");

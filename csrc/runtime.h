@@ -10,8 +10,10 @@ cudaError_t runtime_version(int* version);
 // Newest CUDA version the installed driver supports; 0 when no driver is installed.
 cudaError_t driver_version(int* version);
 cudaError_t device_count(int* count);
-// binaryVersion / ptxVersion of this module's code for `device` (e.g. 90); fails with
-// cudaErrorNoKernelImageForDevice when the build has no usable image for it.
+// binaryVersion / ptxVersion of this module's code for `device` (e.g. 90), asked of the driver for
+// that device explicitly: the caller's current device and current context are left as they were.
+// Fails with cudaErrorNoKernelImageForDevice when the build has no usable image for it, and with
+// cudaErrorInvalidValue and argument_error() set (common.cuh) for a negative device.
 cudaError_t kernel_image_versions(int device, int* binary_version, int* ptx_version);
 
 }  // namespace hicache

@@ -10,11 +10,26 @@ namespace hicache {
 
 namespace {
 
-bool valid_side(const SideDesc& d, bool table) {
+// The checks of one SideDesc, reported as errors of `function` about argument `name`.
+cudaError_t check_side(const char* function, const char* name, const SideDesc& d, bool table) {
+  HICACHE_CHECK_ARG_OF(function, d.base != 0, name, ".base must not be 0");
   // A table is read as int64 entries, so it must be 8-byte aligned.
-  return d.base != 0 && (!table || d.base % 8 == 0) && d.num_layers >= 1 && d.page_size >= 1 &&
-         d.num_slots >= 0 && d.s_kv >= 0 && d.s_layer >= 0 && d.s_page >= 0 && d.s_in_page >= 0 &&
-         d.s_chunk >= 0;
+  HICACHE_CHECK_ARG_OF(function, !table || d.base % 8 == 0, name,
+                       ".base must be 8-byte aligned for a table side (an int64 array), got ",
+                       d.base);
+  HICACHE_CHECK_ARG_OF(function, d.num_layers >= 1, name, ".num_layers must be >= 1, got ",
+                       d.num_layers);
+  HICACHE_CHECK_ARG_OF(function, d.page_size >= 1, name, ".page_size must be >= 1, got ",
+                       d.page_size);
+  HICACHE_CHECK_ARG_OF(function, d.num_slots >= 0, name, ".num_slots must be >= 0, got ",
+                       d.num_slots);
+  HICACHE_CHECK_ARG_OF(function, d.s_kv >= 0, name, ".s_kv must be >= 0, got ", d.s_kv);
+  HICACHE_CHECK_ARG_OF(function, d.s_layer >= 0, name, ".s_layer must be >= 0, got ", d.s_layer);
+  HICACHE_CHECK_ARG_OF(function, d.s_page >= 0, name, ".s_page must be >= 0, got ", d.s_page);
+  HICACHE_CHECK_ARG_OF(function, d.s_in_page >= 0, name, ".s_in_page must be >= 0, got ",
+                       d.s_in_page);
+  HICACHE_CHECK_ARG_OF(function, d.s_chunk >= 0, name, ".s_chunk must be >= 0, got ", d.s_chunk);
+  return cudaSuccess;
 }
 
 // gcd of the side's base (affine) and of every stride the transfer multiplies by a non-zero value.
@@ -41,12 +56,10 @@ template <int kVec>
 cudaError_t dispatch_sides(bool src_table, bool dst_table, const TransferParams& p,
                            int64_t chunk_bytes, int num_blocks, int warps_per_block,
                            cudaStream_t stream) {
-  HICACHE_SIDE_SWITCH(src_table, SrcSide, {
-    HICACHE_SIDE_SWITCH(dst_table, DstSide, {
-      return launch_transfer_kernel<SrcSide, DstSide, kVec>(p, chunk_bytes, num_blocks,
-                                                            warps_per_block, stream);
-    })
-  })
+  HICACHE_SIDE_SWITCH(src_table, SrcSide, {HICACHE_SIDE_SWITCH(dst_table, DstSide, {
+                        return launch_transfer_kernel<SrcSide, DstSide, kVec>(
+                            p, chunk_bytes, num_blocks, warps_per_block, stream);
+                      })})
 }
 
 }  // namespace
@@ -62,43 +75,54 @@ int vector_bytes(int64_t align_bytes) {
   return static_cast<int>(low_bit < 16 ? low_bit : 16);
 }
 
-cudaError_t launch_transfer(const SideDesc& src, bool src_table, const SideDesc& dst,
+cudaError_t launch_transfer(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
                             bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
-                            int64_t n, int layer_begin, int layer_count, int num_kv,
-                            int num_chunks, int64_t chunk_bytes, int64_t align_bytes,
-                            int num_blocks, int warps_per_block, int* oob_count,
-                            cudaStream_t stream) {
-  if (n < 0 || layer_begin < 0 || layer_count < 1 || num_kv < 1 || num_chunks < 1 ||
-      chunk_bytes < 1 || align_bytes < 0 || num_blocks < 1 || warps_per_block < 1 ||
-      warps_per_block > kTransferMaxThreads / 32) {
-    return cudaErrorInvalidValue;
-  }
-  if (!valid_side(src, src_table) || !valid_side(dst, dst_table) ||
-      static_cast<int64_t>(layer_begin) + layer_count > src.num_layers ||
-      static_cast<int64_t>(layer_begin) + layer_count > dst.num_layers) {
-    return cudaErrorInvalidValue;
-  }
+                            int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
+                            int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
+                            int warps_per_block, int* oob_count, cudaStream_t stream) {
+  clear_argument_error();
+  constexpr int kMaxWarps = kTransferMaxThreads / 32;
+  HICACHE_CHECK_ARG(n >= 0, "n must be >= 0, got ", n);
+  HICACHE_CHECK_ARG(layer_begin >= 0, "layer_begin must be >= 0, got ", layer_begin);
+  HICACHE_CHECK_ARG(layer_count >= 1, "layer_count must be >= 1, got ", layer_count);
+  HICACHE_CHECK_ARG(num_kv >= 1, "num_kv must be >= 1, got ", num_kv);
+  HICACHE_CHECK_ARG(num_chunks >= 1, "num_chunks must be >= 1, got ", num_chunks);
+  HICACHE_CHECK_ARG(chunk_bytes >= 1, "chunk_bytes must be >= 1, got ", chunk_bytes);
+  HICACHE_CHECK_ARG(align_bytes >= 0, "align_bytes must be >= 0, got ", align_bytes);
+  HICACHE_CHECK_ARG(num_blocks >= 1, "num_blocks must be >= 1, got ", num_blocks);
+  HICACHE_CHECK_ARG(warps_per_block >= 1 && warps_per_block <= kMaxWarps,
+                    "warps_per_block must be in [1, ", kMaxWarps, "], got ", warps_per_block);
+  HICACHE_RETURN_IF_ERROR(check_side(__func__, "src_desc", src_desc, src_table));
+  HICACHE_RETURN_IF_ERROR(check_side(__func__, "dst_desc", dst_desc, dst_table));
+  const int64_t layer_end = static_cast<int64_t>(layer_begin) + layer_count;
+  HICACHE_CHECK_ARG(layer_end <= src_desc.num_layers,
+                    "layer_begin + layer_count must be <= src_desc.num_layers (",
+                    src_desc.num_layers, "), got ", layer_begin, " + ", layer_count);
+  HICACHE_CHECK_ARG(layer_end <= dst_desc.num_layers,
+                    "layer_begin + layer_count must be <= dst_desc.num_layers (",
+                    dst_desc.num_layers, "), got ", layer_begin, " + ", layer_count);
+  // Work units are counted in int per index and in int64 overall.
   const int64_t units_per_index = static_cast<int64_t>(num_kv) * layer_count * num_chunks;
-  if (units_per_index > INT_MAX || n > INT64_MAX / units_per_index) {
-    return cudaErrorInvalidValue;
-  }
+  HICACHE_CHECK_ARG(units_per_index <= INT_MAX,
+                    "num_kv * layer_count * num_chunks must be <= ", INT_MAX, ", got ",
+                    units_per_index);
+  HICACHE_CHECK_ARG(n <= INT64_MAX / units_per_index, "n * num_kv * layer_count * num_chunks (",
+                    units_per_index, " per index) overflows int64 with n = ", n);
   int64_t align = std::gcd(align_bytes, chunk_bytes);
-  align = std::gcd(align, side_alignment(src, src_table, num_kv, num_chunks));
-  align = std::gcd(align, side_alignment(dst, dst_table, num_kv, num_chunks));
+  align = std::gcd(align, side_alignment(src_desc, src_table, num_kv, num_chunks));
+  align = std::gcd(align, side_alignment(dst_desc, dst_table, num_kv, num_chunks));
   const int vec = vector_bytes(align);
   // The kernel counts vectors of a chunk in int, with room for one step of 32 lanes.
-  if (chunk_bytes / vec > INT_MAX - 64) {
-    return cudaErrorInvalidValue;
-  }
+  HICACHE_CHECK_ARG(chunk_bytes / vec <= INT_MAX - 64, "chunk_bytes must be at most ", INT_MAX - 64,
+                    " vectors of ", vec, " bytes, got ", chunk_bytes);
   if (n == 0) {
     return cudaSuccess;
   }
-  if (src_idx == nullptr || dst_idx == nullptr) {
-    return cudaErrorInvalidValue;
-  }
+  HICACHE_CHECK_ARG(src_idx != nullptr, "src_idx must not be null when n > 0 (n = ", n, ")");
+  HICACHE_CHECK_ARG(dst_idx != nullptr, "dst_idx must not be null when n > 0 (n = ", n, ")");
   TransferParams p{};
-  p.src = src;
-  p.dst = dst;
+  p.src = src_desc;
+  p.dst = dst_desc;
   p.src_idx = src_idx;
   p.dst_idx = dst_idx;
   p.total_units = n * units_per_index;

@@ -40,15 +40,15 @@ int vector_bytes(int64_t align_bytes);
 // align_bytes: a common divisor of every table entry the caller's table sides hold (0 when there
 // are none); the launcher combines it with the affine bases, the strides used and chunk_bytes to
 // pick the vector width (vector_bytes). num_blocks x warps_per_block warps loop over the work.
-// Units (i, kv, l, c) whose src index is outside [0, src.num_slots) or dst index outside
-// [0, dst.num_slots) write nothing and, when oob_count (device int*) is not null, are added to it.
-// Returns cudaErrorInvalidValue for bad arguments, cudaSuccess without launching when n == 0, else
-// the launch status.
-cudaError_t launch_transfer(const SideDesc& src, bool src_table, const SideDesc& dst,
+// Units (i, kv, l, c) whose src index is outside [0, src_desc.num_slots) or dst index outside
+// [0, dst_desc.num_slots) write nothing and, when oob_count (device int*) is not null, are added
+// to it. Every argument is checked before any CUDA call: a bad one returns cudaErrorInvalidValue
+// with argument_error() naming it (common.cuh). Returns cudaSuccess without launching when n == 0,
+// else the launch status. Launches on the current device, which must be the stream's.
+cudaError_t launch_transfer(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
                             bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
-                            int64_t n, int layer_begin, int layer_count, int num_kv,
-                            int num_chunks, int64_t chunk_bytes, int64_t align_bytes,
-                            int num_blocks, int warps_per_block, int* oob_count,
-                            cudaStream_t stream);
+                            int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
+                            int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
+                            int warps_per_block, int* oob_count, cudaStream_t stream);
 
 }  // namespace hicache

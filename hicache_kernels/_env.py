@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import _archs
+from . import _archs, _ext
 from ._ext import _load, build_info
 
 # Bytes per second per lane, per direction, after line encoding (8b/10b up to Gen2, 128b/130b for
@@ -160,10 +160,12 @@ def _mark_coverage(gpus: list[GpuInfo], can_launch: bool) -> None:
         return
     archs = _archs.parse_arch_list(";".join(info["archs"]), supported=None)
     mod, _ = _load()
+    # Only a driver that can run the extension's runtime can be asked (else the arch table answers).
+    ask_driver = can_launch and mod is not None and _ext.cuda_runtime_status()[0]
     for g in gpus:
         major, minor = (int(x) for x in (g.compute_capability or "0.0").split("."))
         g.kernels_cover_arch, g.coverage = _archs.covers(archs, major, minor)
-        if can_launch and mod is not None:
+        if ask_driver:
             # Ask the driver itself: the authoritative answer, and it catches a broken image.
             try:
                 binary, ptx = mod.kernel_image_versions(g.index)
@@ -179,11 +181,15 @@ def cuda_versions() -> dict[str, Any]:
     if mod is not None:
         out["extension_runtime"] = _version(mod.runtime_version())
         try:
-            out["driver_cuda"] = _version(mod.driver_version())
+            out["driver_cuda"] = _version(_ext.driver_version())
         except RuntimeError as exc:
             out["driver_error"] = str(exc)
         if out["driver_cuda"] is None and "driver_error" not in out:
             out["driver_error"] = "no CUDA driver installed (cudaDriverGetVersion returned 0)"
+        ok, reason = _ext.cuda_runtime_status()
+        if not ok:
+            # The static runtime cannot run here: kernel and batch are unusable, direct uses torch.
+            out["extension_runtime_error"] = reason
     else:
         out["extension_error"] = reason
     try:
@@ -218,17 +224,25 @@ def io_backend_status(gpus: list[GpuInfo] | None = None) -> dict[str, BackendSta
     if gpus is None:
         gpus, _ = list_gpus()
     mod, ext_reason = _load()
+    runtime_ok, runtime_reason = _ext.cuda_runtime_status()
     status: dict[str, BackendStatus] = {}
     try:
         importlib.import_module("torch")
-        status["direct"] = BackendStatus(
-            True,
-            "copy engines (cudaMemcpyAsync) on CUDA tensors" if torch is not None else "torch indexing on CPU tensors",
-        )
+        if torch is None:
+            direct = "torch indexing on CPU tensors"
+        elif runtime_ok:
+            direct = "copy engines (cudaMemcpyAsync) on CUDA tensors"
+        else:
+            direct = (
+                f"torch copies (cudaMemcpyAsync through torch) on CUDA tensors, not the extension: {runtime_reason}"
+            )
+        status["direct"] = BackendStatus(True, direct)
     except ImportError as exc:
         status["direct"] = BackendStatus(False, f"torch does not import: {exc}")
     if mod is None:
         gpu_reason = ext_reason
+    elif not runtime_ok:
+        gpu_reason = runtime_reason
     elif torch is None:
         gpu_reason = torch_reason
     elif not any(g.kernels_cover_arch for g in gpus):
@@ -239,7 +253,7 @@ def io_backend_status(gpus: list[GpuInfo] | None = None) -> dict[str, BackendSta
     if gpu_reason:
         status["batch"] = BackendStatus(False, gpu_reason)
     else:
-        drv = mod.driver_version()
+        drv = _ext.driver_version()
         ok = drv >= 12080
         status["batch"] = BackendStatus(
             ok,

@@ -44,11 +44,75 @@ def extension_status() -> tuple[bool, str]:
 
 
 def load_extension() -> ModuleType:
-    """Return ``hicache_kernels._C`` or raise :class:`BackendUnavailableError` naming the reason."""
+    """Return ``hicache_kernels._C`` or raise :class:`BackendUnavailableError` naming the reason.
+
+    The module imports without a driver, and its argument checks work there; whether its CUDA calls
+    can run is :func:`cuda_runtime_status`.
+    """
     mod, reason = _load()
     if mod is None:
         raise BackendUnavailableError(reason)
     return mod
+
+
+def _cuda_text(version: int) -> str:
+    """CUDA's integer versions (13000, 12040) as "13.0", "12.4"."""
+    return f"{version // 1000}.{(version % 1000) // 10}"
+
+
+@functools.lru_cache(maxsize=1)
+def driver_version() -> int:
+    """The newest CUDA version the installed driver supports (e.g. 13000 for 13.0); 0 without a driver.
+
+    The one place the package asks (tests replace it to play an old driver). Raises
+    :class:`BackendUnavailableError` when the extension does not import.
+    """
+    return int(load_extension().driver_version())
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime_cuda_version() -> int:
+    return int(load_extension().build_info()["cuda_version"])
+
+
+def required_driver_version() -> int:
+    """The oldest driver CUDA version the extension's static runtime runs on: its major version's
+    ``.0`` (CUDA minor-version compatibility), e.g. 13000 for a CUDA 13.x build."""
+    return _runtime_cuda_version() // 1000 * 1000
+
+
+def cuda_runtime_status() -> tuple[bool, str]:
+    """``(True, "ok")`` when the extension imports and the driver can run its static CUDA runtime, else
+    ``(False, reason)``: the extension's import error, no driver, or a driver too old (named with the
+    version it supports and the one needed)."""
+    mod, reason = _load()
+    if mod is None:
+        return False, reason
+    try:
+        have, need = driver_version(), required_driver_version()
+    except RuntimeError as exc:  # cudaDriverGetVersion itself failed
+        return False, f"cannot ask the CUDA driver for its version: {exc}"
+    built = _cuda_text(_runtime_cuda_version())
+    if have == 0:
+        return False, (
+            f"no CUDA driver is installed (cudaDriverGetVersion returned 0); the extension's static CUDA {built} "
+            f"runtime needs an NVIDIA driver supporting CUDA {_cuda_text(need)} or newer"
+        )
+    if have < need:
+        return False, (
+            f"the NVIDIA driver supports CUDA {_cuda_text(have)}, older than the CUDA {_cuda_text(need)} the "
+            f"extension's static CUDA {built} runtime needs: update the driver"
+        )
+    return True, "ok"
+
+
+def load_cuda_extension() -> ModuleType:
+    """:func:`load_extension` for CUDA work: also raises :class:`BackendUnavailableError` when the
+    driver cannot run the extension (:func:`cuda_runtime_status`), instead of failing at launch."""
+    ok, reason = cuda_runtime_status()
+    if not ok:
+        raise BackendUnavailableError(reason)
+    return load_extension()
 
 
 def build_info() -> dict[str, Any]:

@@ -6,8 +6,8 @@
              On CPU tensors the same fragments are copied with torch.
 ``batch``    the same fragments split into 1-D pieces, all in one ``cudaMemcpyBatchAsync``
              (CUDA >= 12.8). Falls back to ``direct`` on the legacy default stream (which the call
-             refuses) or when the driver rejects the call, and says so with a warning and in
-             ``last_fallback``.
+             refuses) or when the driver does not support the call, and says so with a warning and
+             in ``last_fallback``; any other error raises.
 ``kernel``   the CUDA kernels of ``csrc/``: SM threads read/write pinned host memory through its
              device-mapped address (zero copy), on a bounded grid (``num_blocks`` blocks of
              ``warps_per_block`` warps; default 4 x 32, so at most 4 SMs).
@@ -17,8 +17,13 @@
              (:class:`AutoBackend`; thresholds persist in a JSON file).
 ===========  =====================================================================================
 
-All run on ``plan.stream`` or the current CUDA stream and never synchronise the host, except that
-copy-engine backends need the indices on the host: CUDA index tensors are copied over (a sync).
+All run on ``plan.stream`` or the current CUDA stream of the device pool's device, with that device
+current for the launch (the caller's current device is restored), and never synchronise the host,
+except that copy-engine backends need the indices on the host: CUDA index tensors are copied over (a
+sync). ``kernel`` and ``batch`` (and ``direct``'s ``cudaMemcpyAsync``) run the extension's static
+CUDA runtime, which needs a driver for its CUDA major version: on an older one ``kernel`` and
+``batch`` are unavailable (:class:`~hicache_kernels.BackendUnavailableError` says why) and ``direct``
+copies with torch.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._ext import BackendUnavailableError, extension_status, load_extension
+from ._ext import BackendUnavailableError, cuda_runtime_status, load_extension
 from .fragments import Fragments, TensorMemory, plan_fragments, split_rows
 from .plan import Side, TransferPlan
 
@@ -47,7 +52,25 @@ def _host_side(plan: TransferPlan) -> Side:
 
 
 def _stream(plan: TransferPlan) -> Any:
-    return plan.stream if plan.stream is not None else torch.cuda.current_stream(_device_side(plan).device)
+    """``plan.stream`` (which must be on the device pool's device) or that device's current stream."""
+    device = _device_side(plan).device
+    if plan.stream is None:
+        return torch.cuda.current_stream(device)
+    if plan.stream.device != device:
+        raise ValueError(
+            f"stream: expected a stream on the device pool's device {device}, got one on {plan.stream.device}"
+        )
+    return plan.stream
+
+
+def _on_device(plan: TransferPlan) -> Any:
+    """The device pool's device made current for a launch, and the caller's restored afterwards: the
+    extension launches on the current device, and a pool on cuda:1 must not launch on cuda:0."""
+    return torch.cuda.device(_device_side(plan).device)
+
+
+# Stream handles cudaMemcpyBatchAsync refuses: the NULL (legacy default) stream and cudaStreamLegacy.
+_LEGACY_STREAM_HANDLES = (0, 1)
 
 
 class IOBackend:
@@ -92,13 +115,15 @@ class DirectBackend(IOBackend):
         if len(frags) == 0:
             return
         if _device_side(plan).is_cuda:
-            ok, _ = extension_status()
-            if ok:
-                self._issue(frags, _stream(plan))
-                return
-            # Without the extension: the same fragments as torch copies (cudaMemcpyAsync underneath).
-            with torch.cuda.stream(_stream(plan)):
-                TensorMemory(plan.src.tensors + plan.dst.tensors).copy(frags)
+            stream = _stream(plan)
+            with _on_device(plan):
+                if cuda_runtime_status()[0]:
+                    self._issue(frags, stream)
+                    return
+                # Without a usable extension (not built, or a driver older than its static runtime):
+                # the same fragments as torch copies (cudaMemcpyAsync underneath); info says so.
+                with torch.cuda.stream(stream):
+                    TensorMemory(plan.src.tensors + plan.dst.tensors).copy(frags)
             return
         TensorMemory(plan.src.tensors + plan.dst.tensors).copy(frags)
 
@@ -111,13 +136,11 @@ class DirectBackend(IOBackend):
         )
 
 
-# cudaMemcpyBatchAsync errors after which per-fragment copies are the documented fallback.
-_BATCH_FALLBACK_ERRORS = (
-    "cudaErrorNotSupported",
-    "cudaErrorInvalidValue",
-    "cudaErrorCallRequiresNewerDriver",
-    "cudaErrorInvalidResourceHandle",
-)
+# cudaMemcpyBatchAsync errors that mean "not here" (not built in, driver too old), after which
+# per-fragment copies are the documented fallback. Any other error (cudaErrorInvalidValue,
+# cudaErrorInvalidResourceHandle, ...) is a broken call and raises: it must not pass for a backend
+# that works. The legacy stream, which the call refuses, is recognised before calling.
+_BATCH_FALLBACK_ERRORS = ("cudaErrorNotSupported", "cudaErrorCallRequiresNewerDriver")
 
 
 class BatchBackend(IOBackend):
@@ -128,7 +151,7 @@ class BatchBackend(IOBackend):
     def unavailable(self, plan: TransferPlan) -> str | None:
         if not _device_side(plan).is_cuda:
             return None  # CPU tensors: the pieces are copied with torch
-        ok, reason = extension_status()
+        ok, reason = cuda_runtime_status()
         return None if ok else reason
 
     def __init__(self) -> None:
@@ -153,23 +176,24 @@ class BatchBackend(IOBackend):
             return
         ext = load_extension()
         stream = _stream(plan)
-        if stream.cuda_stream == 0:
-            self._fallback("the legacy default stream is refused by cudaMemcpyBatchAsync", frags, stream)
-            return
-        dst, src, size = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, size))
-        code = ext.memcpy_batch(
-            dst.ctypes.data,
-            src.ctypes.data,
-            size.ctypes.data,
-            int(size.size),
-            int(plan.direction == "h2d"),
-            stream.cuda_stream,
-        )
-        if code != 0:
-            name = ext.error_name(code)
-            if name not in _BATCH_FALLBACK_ERRORS:
-                raise RuntimeError(f"cudaMemcpyBatchAsync failed: {name}")
-            self._fallback(f"cudaMemcpyBatchAsync returned {name}", frags, stream)
+        with _on_device(plan):
+            if stream.cuda_stream in _LEGACY_STREAM_HANDLES:
+                self._fallback("the legacy default stream is refused by cudaMemcpyBatchAsync", frags, stream)
+                return
+            dst, src, size = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, size))
+            code = ext.memcpy_batch(
+                dst.ctypes.data,
+                src.ctypes.data,
+                size.ctypes.data,
+                int(size.size),
+                int(plan.direction == "h2d"),
+                stream.cuda_stream,
+            )
+            if code != 0:
+                name = ext.error_name(code)
+                if name not in _BATCH_FALLBACK_ERRORS:
+                    raise RuntimeError(f"io-backend 'batch': cudaMemcpyBatchAsync failed: {name} (error {code})")
+                self._fallback(f"cudaMemcpyBatchAsync returned {name}", frags, stream)
 
 
 class KernelBackend(IOBackend):
@@ -212,11 +236,11 @@ class KernelBackend(IOBackend):
         return total
 
     def unavailable(self, plan: TransferPlan) -> str | None:
-        try:
-            load_extension()
-        except BackendUnavailableError as exc:
-            return str(exc)
-        return _cuda_reason(plan) or _pinned_reason(plan)
+        reason = _cuda_reason(plan)
+        if reason is not None:
+            return reason
+        ok, reason = cuda_runtime_status()
+        return _pinned_reason(plan) if ok else reason
 
     def device_table(self, side: Side) -> torch.Tensor:
         """The side's per-(kv, layer) address table as a CUDA int64 tensor, built once per pool."""
@@ -251,20 +275,26 @@ class KernelBackend(IOBackend):
         ext = load_extension()
         stream = _stream(plan)
         device = _device_side(plan).device
-        src_desc, src_align = self._desc(plan.src)
-        dst_desc, dst_align = self._desc(plan.dst)
-        align = math.gcd(src_align, dst_align, plan.chunk_bytes)
-        # Host indices are copied on the launch stream itself: ordered before the kernel (a copy from
-        # pageable memory may still be in flight when it returns), and allocated for that stream.
+        with _on_device(plan):
+            src_desc, src_align = self._desc(plan.src)
+            dst_desc, dst_align = self._desc(plan.dst)
+            align = math.gcd(src_align, dst_align, plan.chunk_bytes)
+            idx = self._launch_indices(plan, device, stream)
+            ext.transfer(
+                src_desc, plan.src.is_table, dst_desc, plan.dst.is_table,
+                idx[0].data_ptr(), idx[1].data_ptr(), n,
+                plan.layer_begin, plan.layer_count, plan.num_kv, plan.num_chunks, plan.chunk_bytes, align,
+                self.num_blocks, self.warps_per_block, self._skip_counter(device), stream.cuda_stream,
+            )  # fmt: skip
+
+    @staticmethod
+    def _launch_indices(plan: TransferPlan, device: torch.device, stream: Any) -> list[torch.Tensor]:
+        """The plan's index tensors on ``device``. Host indices are copied on the launch stream itself:
+        ordered before the kernel (a copy from pageable memory may still be in flight when it returns),
+        and allocated for that stream."""
         with torch.cuda.stream(stream):
-            idx = [t if t.device == device else t.to(device, non_blocking=True)
-                   for t in (plan.src_indices, plan.dst_indices)]  # fmt: skip
-        ext.transfer(
-            src_desc, plan.src.is_table, dst_desc, plan.dst.is_table,
-            idx[0].data_ptr(), idx[1].data_ptr(), n,
-            plan.layer_begin, plan.layer_count, plan.num_kv, plan.num_chunks, plan.chunk_bytes, align,
-            self.num_blocks, self.warps_per_block, self._skip_counter(device), stream.cuda_stream,
-        )  # fmt: skip
+            return [t if t.device == device else t.to(device, non_blocking=True)
+                    for t in (plan.src_indices, plan.dst_indices)]  # fmt: skip
 
 
 class TritonBackend(IOBackend):
@@ -336,7 +366,7 @@ class AutoBackend(IOBackend):
         fragment = plan.chunk_bytes * int(plan.extras.get("page_size", 1))
         if fragment < self.thresholds["kernel_max_fragment_bytes"] and self.kernel.unavailable(plan) is None:
             return self.kernel
-        if _stream(plan).cuda_stream != 0 and self.batch.unavailable(plan) is None:
+        if _stream(plan).cuda_stream not in _LEGACY_STREAM_HANDLES and self.batch.unavailable(plan) is None:
             return self.batch
         return self.direct
 

@@ -33,6 +33,8 @@ def format_report(r: dict[str, Any]) -> str:
     )
     if c.get("driver_error"):
         lines.append(f"    driver: {c['driver_error']}")
+    if c.get("extension_runtime_error"):
+        lines.append(f"    extension runtime cannot run: {c['extension_runtime_error']}")
     if not r["gpus"]:
         lines.append("  GPUs: none visible")
     for g in r["gpus"]:

@@ -10,7 +10,8 @@ from dataclasses import asdict
 
 import pytest
 
-from hicache_kernels import _env, info
+import hicache_kernels
+from hicache_kernels import _env, _ext, info
 
 
 def run_info(*args: str) -> subprocess.CompletedProcess[str]:
@@ -137,6 +138,7 @@ def test_driver_answer_overrides_arch_table(monkeypatch: pytest.MonkeyPatch) -> 
                 raise RuntimeError("cudaFuncGetAttributes failed: cudaErrorNoKernelImageForDevice")
             return 90, 90
 
+    monkeypatch.setattr(_env._ext, "cuda_runtime_status", lambda: (True, "ok"))  # a driver that can run it
     for fail in (False, True):
         monkeypatch.setattr(_env, "_load", lambda f=fail: (FakeExt(f), "ok"))
         monkeypatch.setattr(_env, "build_info", lambda: {"cuda_built": True, "archs": ["90"]})
@@ -144,3 +146,77 @@ def test_driver_answer_overrides_arch_table(monkeypatch: pytest.MonkeyPatch) -> 
         _env._mark_coverage([g], can_launch=True)
         assert g.kernels_cover_arch is (not fail)
         assert ("NoKernelImage" in g.coverage) if fail else ("binaryVersion 90" in g.coverage)
+
+
+# ----------------------------------------------------------------------- what the driver allows (#6)
+
+needs_cuda13_build = pytest.mark.skipif(
+    not hicache_kernels.build_info().get("cuda_version", 0) // 1000 == 13,
+    reason="needs the extension built with CUDA 13",
+)
+H200 = _env.GpuInfo(0, "NVIDIA H200", "9.0", 132, 139.8, kernels_cover_arch=True, coverage="test")
+
+
+def with_driver(monkeypatch: pytest.MonkeyPatch, version: int) -> dict[str, _env.BackendStatus]:
+    """io-backend status as a machine with a (covered) GPU and torch CUDA would see it, with a driver
+    supporting CUDA ``version`` (0: none)."""
+    monkeypatch.setattr(_ext, "driver_version", lambda: version)
+    monkeypatch.setattr(_env, "_torch_cuda", lambda: (object(), "ok"))
+    return _env.io_backend_status([H200])
+
+
+@needs_cuda13_build
+def test_io_backends_on_an_old_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    status = with_driver(monkeypatch, 12040)
+    too_old = "the NVIDIA driver supports CUDA 12.4, older than the CUDA 13.0"
+    for name in ("kernel", "batch"):
+        assert status[name].usable is False and status[name].reason.startswith(too_old), status[name]
+    assert status["direct"].usable is True
+    assert status["direct"].reason.startswith("torch copies") and too_old in status["direct"].reason
+    assert status["auto"] == _env.BackendStatus(True, "chooses among: direct")
+
+
+@needs_cuda13_build
+def test_io_backends_on_a_cuda13_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    status = with_driver(monkeypatch, 13000)
+    assert status["kernel"].usable and status["batch"] == _env.BackendStatus(True, "cudaMemcpyBatchAsync")
+    assert status["direct"] == _env.BackendStatus(True, "copy engines (cudaMemcpyAsync) on CUDA tensors")
+    assert status["auto"] == _env.BackendStatus(True, "chooses among: kernel, batch, direct")
+
+
+@needs_cuda13_build
+def test_io_backends_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    status = with_driver(monkeypatch, 0)
+    for name in ("kernel", "batch"):
+        assert status[name].reason.startswith("no CUDA driver is installed") and "older" not in status[name].reason
+
+
+@needs_cuda13_build
+@pytest.mark.parametrize(("version", "line"), [
+    (12040, "    extension runtime cannot run: the NVIDIA driver supports CUDA 12.4, older than the CUDA 13.0"),
+    (0, "    extension runtime cannot run: no CUDA driver is installed"),
+])  # fmt: skip
+def test_info_text_says_the_extension_cannot_run(monkeypatch: pytest.MonkeyPatch, version: int, line: str) -> None:
+    monkeypatch.setattr(_ext, "driver_version", lambda: version)
+    cuda = _env.cuda_versions()
+    assert cuda["driver_cuda"] == _env._version(version)
+    text = info.format_report({**_env.gather(), "cuda": cuda})
+    assert any(t.startswith(line) for t in text.splitlines()), text
+    monkeypatch.setattr(_ext, "driver_version", lambda: 13000)
+    assert "extension_runtime_error" not in _env.cuda_versions()
+
+
+@needs_cuda13_build
+def test_an_old_driver_is_not_asked_for_coverage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver cannot load this build's runtime: the compiled arch list answers instead."""
+
+    class NotToBeAsked:
+        def kernel_image_versions(self, device: int) -> tuple[int, int]:
+            raise AssertionError("asked a driver that cannot run the extension")
+
+    monkeypatch.setattr(_ext, "driver_version", lambda: 12040)
+    monkeypatch.setattr(_env, "_load", lambda: (NotToBeAsked(), "ok"))
+    monkeypatch.setattr(_env, "build_info", lambda: {"cuda_built": True, "archs": ["90"]})
+    g = _env.GpuInfo(0, "NVIDIA H200", "9.0", 132, 139.8)
+    _env._mark_coverage([g], can_launch=True)
+    assert g.kernels_cover_arch is True and "binaryVersion" not in g.coverage

@@ -5,8 +5,7 @@
 - Its SASS: each vector width moves data with exactly its width (128-bit ``LDG``/``STG`` for 16-byte
   kernels), with the cache operators chosen in ``transfer.cuh`` (``.NA`` no-L1-allocate loads,
   ``.EF`` streaming stores), and every kernel issues its unrolled loads before the matching stores.
-- The extension's argument checks, which return before any CUDA call: the vector-width rule, bad
-  transfer arguments, and the copy-engine helpers' refusals.
+- The vector-width rule of the extension (its argument checks: ``tests/test_ext_args.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import hicache_kernels
@@ -170,103 +168,3 @@ def test_vector_width_rejects_negative_alignment() -> None:
 
     with pytest.raises(ValueError, match="align_bytes"):
         load_extension().vector_bytes(-16)
-
-
-def _side(base: int = 1 << 20, num_layers: int = 4, page_size: int = 1, num_slots: int = 64) -> tuple[int, ...]:
-    item = 256
-    return (base, num_layers, num_layers * num_slots * item, num_slots * item, item, 0, 0, page_size, num_slots)
-
-
-def _transfer_args(**over: object) -> dict[str, object]:
-    args: dict[str, object] = dict(
-        src_desc=_side(),
-        src_table=False,
-        dst_desc=_side(base=1 << 24),
-        dst_table=False,
-        src_idx_ptr=1 << 12,
-        dst_idx_ptr=1 << 13,
-        n=8,
-        layer_begin=0,
-        layer_count=4,
-        num_kv=2,
-        num_chunks=1,
-        chunk_bytes=256,
-        align_bytes=0,
-        num_blocks=4,
-        warps_per_block=32,
-        oob_count_ptr=0,
-        stream=0,
-    )
-    args.update(over)
-    return args
-
-
-@needs_extension
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"n": -1},
-        {"layer_count": 0},
-        {"layer_begin": 3, "layer_count": 2},  # past num_layers
-        {"num_kv": 0},
-        {"num_chunks": 0},
-        {"chunk_bytes": 0},
-        {"align_bytes": -8},
-        {"num_blocks": 0},
-        {"warps_per_block": 0},
-        {"warps_per_block": 33},
-        {"src_desc": _side(base=0)},
-        {"dst_desc": _side(page_size=0)},
-        {"dst_desc": _side(num_slots=-1)},
-        {"src_desc": _side(base=(1 << 20) + 4), "src_table": True},  # a table must be 8-byte aligned
-        {"src_idx_ptr": 0},
-    ],
-)
-def test_transfer_rejects_bad_arguments(bad: dict[str, object]) -> None:
-    from hicache_kernels._ext import load_extension
-
-    with pytest.raises(RuntimeError, match="launch_transfer failed: cudaErrorInvalidValue"):
-        load_extension().transfer(**_transfer_args(**bad))
-
-
-@needs_extension
-def test_transfer_of_nothing_is_a_no_op() -> None:
-    from hicache_kernels._ext import load_extension
-
-    # Returns before any CUDA call, so it succeeds even on a machine without a GPU.
-    assert load_extension().transfer(**_transfer_args(n=0, src_idx_ptr=0, dst_idx_ptr=0)) is None
-
-
-@needs_extension
-def test_transfer_desc_must_have_nine_fields() -> None:
-    from hicache_kernels._ext import load_extension
-
-    with pytest.raises(ValueError, match="dst_desc: expected 9 ints"):
-        load_extension().transfer(**_transfer_args(dst_desc=_side()[:8]))
-
-
-@needs_extension
-def test_memcpy_batch_refuses_legacy_stream_and_bad_direction() -> None:
-    from hicache_kernels._ext import load_extension
-
-    C = load_extension()
-    arr = np.zeros(1, dtype=np.int64)
-    ptr = arr.ctypes.data
-    for legacy in (0, 1):  # the NULL stream and cudaStreamLegacy
-        code = C.memcpy_batch(ptr, ptr, ptr, 1, 0, legacy)
-        assert C.error_name(code) == "cudaErrorInvalidResourceHandle"
-    assert C.error_name(C.memcpy_batch(ptr, ptr, ptr, 1, 2, 2)) == "cudaErrorInvalidValue"
-    assert C.memcpy_batch(ptr, ptr, ptr, 0, 1, 2) == 0  # nothing to copy (stream = cudaStreamPerThread)
-    assert C.error_name(0) == "cudaSuccess"
-
-
-@needs_extension
-def test_memcpy_fragments_rejects_negative_sizes() -> None:
-    from hicache_kernels._ext import load_extension
-
-    C = load_extension()
-    one = np.ones(1, dtype=np.int64)
-    neg = -one
-    C.memcpy_fragments(one.ctypes.data, one.ctypes.data, one.ctypes.data, one.ctypes.data, 0, 0, 0, 0)
-    with pytest.raises(RuntimeError, match="memcpy_fragments failed: cudaErrorInvalidValue"):
-        C.memcpy_fragments(*[one.ctypes.data] * 4, neg.ctypes.data, one.ctypes.data, 1, 0)

@@ -45,7 +45,11 @@ def gpu_case(backend, layout, mla, dtype, page_size, direction, layer_id, *, sta
 @pytest.mark.parametrize("layer_id", [None, 1], ids=["all", "layer1"])
 def test_backends_match_reference_on_gpu(backend, layout, mla, dtype, page_size, direction, layer_id):
     stream = torch.cuda.Stream() if backend == "batch" else None  # batch refuses the legacy stream
-    gpu_case(backend, layout, mla, dtype, page_size, direction, layer_id, stacked=page_size != 16, stream=stream)
+    # A private batch instance, so that its last_fallback tells about this call alone.
+    chosen = BatchBackend() if backend == "batch" else backend
+    gpu_case(chosen, layout, mla, dtype, page_size, direction, layer_id, stacked=page_size != 16, stream=stream)
+    if backend == "batch":  # on a side stream the batch call itself must have run, not 'direct'
+        assert chosen.last_fallback is None, f"batch fell back to direct: {chosen.last_fallback}"
 
 
 # (head_num, head_dim, dtype): item sizes 2, 6, 15, 656, 1030 bytes (16-byte vectors only for 656).
@@ -178,3 +182,48 @@ def test_kernel_backend_with_host_indices_on_a_side_stream():
                         backend="kernel", stream=side)  # fmt: skip
     torch.cuda.synchronize()
     assert pools.equal(expected)
+
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("backend", ["kernel", "direct", "batch"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_pool_on_another_gpu_runs_there_and_keeps_the_current_device(backend, direction):
+    """A pool on cuda:1 while cuda:0 is current: the launch runs on cuda:1 (a kernel or copy issued
+    on cuda:0 with cuda:1's stream would fail) and cuda:0 is still current afterwards."""
+    torch.cuda.set_device(0)
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, direction=direction,
+                       device="cuda:1", pin=True)  # fmt: skip
+    d_idx, h_idx = make_indices("random", 96, 48, 1, count=16, seed=7)
+    expected = expected_after(pools, direction, d_idx, h_idx, None)
+    chosen = BatchBackend() if backend == "batch" else backend
+    stream = torch.cuda.Stream(device=1) if backend == "batch" else None
+    ops.transfer(direction, pools.device_k, pools.device_v, pools.host, d_idx.to("cuda:1"), h_idx.to("cuda:1"),
+                 layout="page_first", page_size=1, backend=chosen, stream=stream)  # fmt: skip
+    assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(1)
+    assert pools.equal(expected)
+    if backend == "batch":
+        assert chosen.last_fallback is None, f"batch fell back to direct: {chosen.last_fallback}"
+
+
+@needs_two_gpus
+def test_a_stream_on_another_gpu_is_refused():
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, device="cuda:1", pin=True)
+    d_idx, h_idx = make_indices("random", 96, 48, 1, count=4, seed=8)
+    with pytest.raises(ValueError, match="stream: expected a stream on the device pool's device cuda:1"):
+        ops.backup_all_layers(pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout="page_first",
+                              page_size=1, backend="kernel", stream=torch.cuda.Stream(device=0))  # fmt: skip
+
+
+@needs_two_gpus
+def test_kernel_image_probe_keeps_the_current_device():
+    from hicache_kernels._ext import load_extension
+
+    torch.cuda.set_device(0)
+    binary, _ = load_extension().kernel_image_versions(1)
+    major, minor = torch.cuda.get_device_capability(1)
+    assert torch.cuda.current_device() == 0
+    assert 0 < binary <= 10 * major + minor
