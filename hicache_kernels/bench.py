@@ -6,7 +6,20 @@ after warm-up, and reports the median and quantiles, bytes moved, GB/s, and the 
 copy-engine ceiling measured in the same run (one contiguous pinned ``cudaMemcpyAsync`` of the same
 number of bytes in the same direction), plus kernel / direct and kernel / batch. ``--interference``
 times a GEMM alone and beside a running transfer; ``--overlap`` runs a simulated layer-by-layer
-forward pass that waits on the controller's LayerDoneCounter.
+forward pass that waits on the controller's LayerDoneCounter. ``--targets-core`` measures only the
+points that decide targets 1-3 (:mod:`hicache_kernels.targets`).
+
+Timing. Every point, its warm-up and its ceiling run on one side stream, the timer's
+(:func:`hicache_kernels.benchutil.measure`); the point's callables never name a stream. What does
+not change with the copy is built before the start event: the random indices (on the GPU for the
+zero-copy backends) and the validated :class:`~hicache_kernels.plan.TransferPlan`. What stays timed
+is the io-backend's ``run(plan)``, as a caller holding a plan pays it: for ``direct``/``batch`` that
+includes their host-side fragment planning, which they do per call from the plan's indices.
+
+Link check. On a GPU the PCIe link's theoretical one-direction bandwidth is read from NVML; a
+ceiling or point measured above it (plus :data:`LINK_TOLERANCE`) can only be a timing error, so the
+run stops, marks the JSON (``meta.link_check``) and exits 3. Without NVML the check is not made and
+the JSON says so (``link_theoretical_gbps: null``).
 
 Without a GPU it says so and runs the functional cross-check of the CPU-capable backends against
 the reference instead (no bandwidth is claimed).
@@ -25,13 +38,25 @@ from typing import Any
 
 import torch
 
-from . import benchutil, layouts
+from . import benchutil, layouts, targets
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}  # fmt: skip
 DIRECTIONS = {"backup_all": ("d2h", "all"), "load_layer": ("h2d", "layer"), "load_all": ("h2d", "all")}
 BACKENDS = ("kernel", "direct", "batch", "triton", "auto")
 COPY_ENGINE_BACKENDS = ("direct", "batch")
+# A measured GB/s may exceed the link's theoretical figure by this much before the run is refused.
+# NVML's figure subtracts only line encoding, so real copies stay well below it (Gen5 x16: 63 GB/s
+# theoretical, about 55 measured); the margin absorbs CUDA-event resolution on short copies.
+LINK_TOLERANCE = 0.02
+# The time estimate printed before a run (and quoted in --targets-core's help): bytes at a typical
+# PCIe Gen5 x16 rate, plus the host cost of issuing each copy-engine fragment. Rough by design.
+ESTIMATE_GBPS = 50.0
+ESTIMATE_US_PER_FRAGMENT = 2.0
+# The --targets-core sweep (see parse_args); the help quotes the estimate for the default preset.
+CORE_PAGE_SIZES = "1,4,16,64,128"
+CORE_LAYOUTS = "page_first_direct,layer_first"
+CORE_ESTIMATE_S = 16  # estimate_s() of the default --targets-core plan; tests/test_bench.py keeps it current
 
 
 @dataclass(frozen=True)
@@ -76,6 +101,17 @@ class PointSpec:
     def num_tokens(self) -> int:
         return self.page_size * self.num_pages
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved by one call (every layer, or one for ``load_layer``; K and V)."""
+        layers = 1 if DIRECTIONS[self.direction][1] == "layer" else self.model.num_layers
+        return self.num_tokens * layers * self.model.num_kv * self.model.item_bytes
+
+    def as_point(self) -> dict[str, Any]:
+        """The fields targets.py selects points by, before the point is measured."""
+        return {"backend": self.backend, "item_bytes": self.model.item_bytes, "page_size": self.page_size,
+                "sm_budget": self.sm_budget}  # fmt: skip
+
 
 def _csv_list(text: str, cast: Callable[[str], Any] = str) -> list[Any]:
     return [cast(x) for x in text.split(",") if x.strip()]
@@ -101,7 +137,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--interference", action="store_true", help="GEMM slowdown beside a transfer, per backend")
     p.add_argument("--overlap", action="store_true", help="layer-wise load overlapped with a simulated forward")
-    p.add_argument("--quick", action="store_true", help="a reduced sweep (under 2 minutes on an H200)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a reduced sweep (under 2 minutes on an H200)")
+    mode.add_argument(
+        "--targets-core",
+        action="store_true",
+        help=f"only the points that decide targets 1-3 (python -m hicache_kernels.targets): the kernel with "
+        f"{targets.T1_MAX_SMS} SMs at page sizes {CORE_PAGE_SIZES}, direct at page size {targets.T2_PAGE_SIZE}, "
+        f"batch where item x page <= {targets.T3_MAX_FRAGMENT_BYTES} B; layouts {CORE_LAYOUTS}, every op, "
+        f"at most 2048 tokens, 5 repeats and 2 warm-ups; no interference or overlap. With the default preset, "
+        f"an estimated ~{CORE_ESTIMATE_S} s of GPU time on an H200 (bytes at {ESTIMATE_GBPS:g} GB/s plus "
+        f"{ESTIMATE_US_PER_FRAGMENT:g} us per copy-engine fragment; setup and --refcheck not counted: an "
+        "estimate, not a measurement)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every point and the run's tags as JSON")
     p.add_argument("--csv", metavar="PATH", help="write every point as CSV")
     p.add_argument("--plot", metavar="PATH.png", help="plot GB/s vs page size per backend (needs matplotlib)")
@@ -120,6 +168,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.layouts = "page_first_direct,layer_first"
         args.sm_sweep, args.repeats, args.warmup = "1,2,4,8,16", min(args.repeats, 5), min(args.warmup, 2)
         args.interference = args.overlap = True
+    if args.targets_core:
+        args.page_sizes, args.tokens, args.layouts = CORE_PAGE_SIZES, min(args.tokens, 2048), CORE_LAYOUTS
+        args.directions, args.backends = ",".join(DIRECTIONS), "kernel,direct,batch"
+        args.sm_budget, args.sm_sweep = targets.T1_MAX_SMS, ""
+        args.repeats, args.warmup = min(args.repeats, 5), min(args.warmup, 2)
+        args.interference = args.overlap = False
     return args
 
 
@@ -174,7 +228,53 @@ def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
                     continue
                 for direction in directions:
                     points.append(PointSpec(model, "kernel", direction, layout, page, max(1, args.tokens // page), sm))
+    if args.targets_core:
+        return core_targets_plan(points, models_from_args(args))
     return points
+
+
+def decides_core_targets(spec: PointSpec) -> bool:
+    """Whether targets 1-3 read this point (targets.py's own selection, applied before measuring)."""
+    p = spec.as_point()
+    return targets.in_target1(p) or targets.in_target2(p) or targets.in_target3(p)
+
+
+def core_targets_plan(specs: list[PointSpec], models: list[ModelConfig]) -> list[PointSpec]:
+    """The points of ``specs`` that decide targets 1-3; refuses a model that could not decide them."""
+    for m in models:
+        if m.item_bytes < targets.T1_MIN_ITEM_BYTES:
+            raise SystemExit(f"--targets-core: {m.name}'s items are {m.item_bytes} B, below target 1's "
+                             f"{targets.T1_MIN_ITEM_BYTES} B: it cannot decide target 1")  # fmt: skip
+        if m.item_bytes > targets.T3_MAX_FRAGMENT_BYTES:
+            raise SystemExit(f"--targets-core: {m.name}'s items are {m.item_bytes} B, so no fragment is within "
+                             f"target 3's {targets.T3_MAX_FRAGMENT_BYTES} B: it cannot decide target 3")  # fmt: skip
+    return [s for s in specs if decides_core_targets(s)]
+
+
+def copy_engine_fragments(spec: PointSpec) -> int:
+    """Copies a copy-engine backend issues for the point, roughly: one per random page (runs rarely
+    join across pages), layer moved, K/V and chunk."""
+    geom = layouts.host_geometry(
+        spec.layout, mla=spec.model.mla, num_layers=spec.model.num_layers, num_slots=spec.page_size,
+        page_size=spec.page_size, head_num=spec.model.head_num, head_dim=spec.model.head_dim,
+        elem_bytes=DTYPES[spec.model.dtype].itemsize,
+    )  # fmt: skip
+    layers = 1 if DIRECTIONS[spec.direction][1] == "layer" else spec.model.num_layers
+    return spec.num_pages * layers * spec.model.num_kv * geom.num_chunks
+
+
+def estimate_s(specs: list[PointSpec], repeats: int, warmup: int, refcheck: bool = False) -> float:
+    """Seconds of GPU time the sweep should take, roughly (see ESTIMATE_GBPS): every call of every
+    point and of each distinct ceiling. Setup (pools, random fill for --refcheck) is not counted."""
+    calls = warmup + repeats
+    total, ceilings = 0.0, set()
+    for s in specs:
+        n = calls + int(refcheck)
+        total += n * s.nbytes / (ESTIMATE_GBPS * 1e9)
+        if s.backend in COPY_ENGINE_BACKENDS:
+            total += n * copy_engine_fragments(s) * ESTIMATE_US_PER_FRAGMENT * 1e-6
+        ceilings.add((DIRECTIONS[s.direction][0], s.nbytes))
+    return total + sum(calls * n / (ESTIMATE_GBPS * 1e9) for _, n in ceilings)
 
 
 class Workload:
@@ -230,21 +330,47 @@ def _backend_object(spec: PointSpec):
     return get_backend(spec.backend)
 
 
-def transfer_fn(spec: PointSpec, work: Workload, stream: Any, gen: torch.Generator):
-    """``(prepare, run, bytes)`` for one point: ``prepare`` draws fresh indices (untimed), ``run``
-    moves them. Copy-engine backends get host indices (they plan on the host); the others get
-    device indices, as a scheduler holding them on the GPU would pass."""
+@dataclass
+class PointWork:
+    """One point's callables. ``prepare`` (untimed) draws fresh indices and builds the plan; ``run``
+    executes it on the current stream; ``check`` compares the last run's destination with its source.
+    ``fallbacks`` and ``choices`` collect, over every run, why a batch run fell back to direct and
+    which backend auto chose."""
+
+    prepare: Callable[[], None]
+    run: Callable[[], None]
+    check: Callable[[], bool]
+    nbytes: int
+    fallbacks: set[str]
+    choices: set[str]
+
+
+def transfer_fn(spec: PointSpec, work: Workload, gen: torch.Generator) -> PointWork:
+    """The callables of one point. Copy-engine backends get host indices (they plan on the host); the
+    others get device indices, as a scheduler holding them on the GPU would pass. Nothing here names a
+    stream: everything is issued on the stream current when it is called, which the harness makes the
+    timer's (:func:`hicache_kernels.benchutil.measure`)."""
     from . import ops
 
     direction, scope = DIRECTIONS[spec.direction]
     host = work.host(spec.layout, spec.page_size)
     backend = _backend_object(spec)
     on_host = spec.backend in COPY_ENGINE_BACKENDS or work.device.type == "cpu"
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    fallbacks: set[str] = set()
+    choices: set[str] = set()
 
     def prepare() -> None:
         d, h = work.indices(spec.page_size, spec.num_pages, gen)
-        state["d"], state["h"] = (d, h) if on_host else (d.to(work.device), h.to(work.device))
+        if not on_host:
+            d, h = d.to(work.device), h.to(work.device)  # synchronous (pageable source): done before timing
+        state["d"], state["h"] = d, h
+        # What ops.transfer does before the backend runs (validation, geometry, address tables), done
+        # untimed. stream=None: the plan runs on whichever stream is current when run() is called.
+        state["plan"] = ops.build_plan(
+            direction, work.dev_k, work.dev_v, host, d, h, layout=spec.layout, page_size=spec.page_size,
+            layer_id=0 if scope == "layer" else None, check_indices=False, stream=None,
+        )  # fmt: skip
 
     def check() -> bool:
         """The last run's destination slots hold its source slots' bytes (plain indexing)."""
@@ -261,20 +387,23 @@ def transfer_fn(spec: PointSpec, work: Workload, stream: Any, gen: torch.Generat
         return True
 
     def run() -> None:
-        ops.transfer(
-            direction, work.dev_k, work.dev_v, host, state["d"], state["h"], layout=spec.layout,
-            page_size=spec.page_size, layer_id=0 if scope == "layer" else None, backend=backend, stream=stream,
-            check_indices=False,
-        )  # fmt: skip
+        backend.run(state["plan"])
+        # After the copies are issued (a few attribute reads): BatchBackend resets last_fallback on
+        # every call, so each run's is collected here, or a fallback in any but the last run is lost.
+        if spec.backend == "auto":
+            choices.add(backend.last_choice)
+            batch = backend.batch if backend.last_choice == "batch" else None
+        else:
+            batch = backend if spec.backend == "batch" else None
+        if batch is not None and batch.last_fallback is not None:
+            fallbacks.add(batch.last_fallback)
 
-    layers = 1 if scope == "layer" else spec.model.num_layers
-    nbytes = spec.num_tokens * layers * spec.model.num_kv * spec.model.item_bytes
-    run.check = check  # type: ignore[attr-defined]
-    return prepare, run, nbytes, backend
+    return PointWork(prepare, run, check, spec.nbytes, fallbacks, choices)
 
 
-def ceiling_fn(nbytes: int, direction: str, work: Workload, scratch: dict[str, torch.Tensor]):
-    """One contiguous pinned copy of ``nbytes`` in ``direction``: the copy-engine ceiling."""
+def ceiling_fn(nbytes: int, direction: str, work: Workload, scratch: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """One contiguous pinned copy of ``nbytes`` in ``direction``, on the current stream (the timer's,
+    like every point's): the copy-engine ceiling."""
     host = work.host_flat.view(torch.uint8)[:nbytes]
     if "dev" not in scratch or scratch["dev"].numel() < nbytes:
         scratch["dev"] = torch.empty(nbytes, dtype=torch.uint8, device=work.device)
@@ -284,6 +413,23 @@ def ceiling_fn(nbytes: int, direction: str, work: Workload, scratch: dict[str, t
     return lambda: dev.copy_(host, non_blocking=True)
 
 
+class LinkCheckError(RuntimeError):
+    """A ceiling or point measured faster than the PCIe link allows; ``points`` are those measured so far."""
+
+    def __init__(self, message: str, points: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.points = points
+
+
+def link_violation(what: str, gbps: float, link_gbps: float | None) -> str | None:
+    """Why ``gbps`` cannot be a real measurement over a link of ``link_gbps`` (None: it can, or the
+    link is unknown)."""
+    if link_gbps is None or gbps <= link_gbps * (1 + LINK_TOLERANCE):
+        return None
+    return (f"{what}: {gbps:.2f} GB/s is above the PCIe link's theoretical {link_gbps:.2f} GB/s per direction "
+            f"(+{LINK_TOLERANCE:.0%} tolerance): a timing error, not a fast link")  # fmt: skip
+
+
 def run_sweep(
     specs: list[PointSpec],
     *,
@@ -291,19 +437,27 @@ def run_sweep(
     timer: benchutil.Timer,
     repeats: int,
     warmup: int,
-    stream: Any = None,
     seed: int = 0,
     tokens: int = 4096,
     progress: benchutil.Progress | None = None,
     pin: bool = True,
     refcheck: bool = False,
+    link_gbps: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Measure every spec; returns the points (see module docstring for the fields)."""
+    """Measure every spec; returns the points (see module docstring for the fields). Every call runs
+    on the timer's stream. With ``link_gbps`` (the link's theoretical one-direction GB/s), raises
+    :class:`LinkCheckError` as soon as a ceiling or a point exceeds it (see :data:`LINK_TOLERANCE`)."""
     gen = torch.Generator().manual_seed(seed)
     work: dict[str, Workload] = {}
     ceilings: dict[tuple[str, int], benchutil.Stats] = {}
     scratch: dict[str, torch.Tensor] = {}
-    points = []
+    points: list[dict[str, Any]] = []
+
+    def refuse(what: str, gbps: float) -> None:
+        problem = link_violation(what, gbps, link_gbps)
+        if problem is not None:
+            raise LinkCheckError(problem, points)
+
     for spec in specs:
         if spec.model.name not in work:
             work.clear()  # one model's pools at a time
@@ -311,13 +465,15 @@ def run_sweep(
             work[spec.model.name] = Workload(spec.model, tokens, device, pin, fill=refcheck)
         w = work[spec.model.name]
         direction, scope = DIRECTIONS[spec.direction]
-        prepare, run, nbytes, backend = transfer_fn(spec, w, stream, gen)
-        stats = benchutil.measure(run, timer=timer, repeats=repeats, warmup=warmup, prepare=prepare)
+        pw = transfer_fn(spec, w, gen)
+        nbytes = pw.nbytes
         key = (direction, nbytes)
         if key not in ceilings:
             ceilings[key] = benchutil.measure(ceiling_fn(nbytes, direction, w, scratch), timer=timer,
                                               repeats=repeats, warmup=warmup)  # fmt: skip
+            refuse(f"copy-engine ceiling, {direction}, {nbytes} B", benchutil.gbps(nbytes, ceilings[key].median_ms))
         ceiling = ceilings[key]
+        stats = benchutil.measure(pw.run, timer=timer, repeats=repeats, warmup=warmup, prepare=pw.prepare)
         point = {
             "kind": "transfer",
             "model": spec.model.name,
@@ -338,17 +494,19 @@ def run_sweep(
             "sm_budget": spec.sm_budget,
         }
         point["ratio_to_ceiling"] = point["gbps"] / point["ceiling_gbps"]
-        if refcheck:  # one more run on fresh indices, then compare what landed with the source
-            prepare()
-            run()
+        if refcheck:  # one more run on fresh indices, on the timer's stream, then compare what landed
+            with benchutil.issuing(timer):
+                pw.prepare()
+                pw.run()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            point["refcheck"] = run.check()
+            point["refcheck"] = pw.check()
         if spec.backend == "auto":
-            point["auto_choice"] = getattr(backend, "last_choice", None)
-        if spec.backend == "batch":
-            point["batch_fallback"] = getattr(backend, "last_fallback", None)
+            point["auto_choice"] = ",".join(sorted(pw.choices)) or None
+        if spec.backend in ("batch", "auto"):  # every run's fallback, warm-up and refcheck included
+            point["batch_fallback"] = "; ".join(sorted(pw.fallbacks)) or None
         points.append(point)
+        refuse(f"{spec.backend} {spec.direction} {spec.layout} page {spec.page_size}", point["gbps"])
         if progress:
             progress.step(f"{spec.backend} {spec.direction} p{spec.page_size} {spec.layout}")
     add_ratios(points)
@@ -356,16 +514,17 @@ def run_sweep(
 
 
 def add_ratios(points: list[dict[str, Any]]) -> None:
-    """kernel / direct and kernel / batch speedups (median time ratios) on matching kernel points."""
+    """kernel / direct and kernel / batch speedups (median time ratios) on kernel points, each against
+    the same transfer (model, op, layout, page size and number of pages)."""
     index = {}
     for p in points:
         if p.get("kind") == "transfer":
-            index[(p["model"], p["backend"], p["op"], p["layout"], p["page_size"])] = p
+            index[(p["model"], p["backend"], p["op"], p["layout"], p["page_size"], p.get("num_pages"))] = p
     for p in points:
         if p.get("kind") != "transfer" or p["backend"] != "kernel":
             continue
         for other in ("direct", "batch"):
-            q = index.get((p["model"], other, p["op"], p["layout"], p["page_size"]))
+            q = index.get((p["model"], other, p["op"], p["layout"], p["page_size"], p.get("num_pages")))
             p[f"kernel_over_{other}"] = q["median_ms"] / p["median_ms"] if q and p["median_ms"] > 0 else None
 
 
@@ -378,9 +537,9 @@ def tune_auto(points: list[dict[str, Any]], sm_budget: int) -> dict[str, int]:
     for p in points:
         if p.get("kind") != "transfer" or (p["backend"] == "kernel" and p["sm_budget"] != sm_budget):
             continue
-        key = (p["model"], p["op"], p["layout"], p["page_size"], p["item_bytes"])
+        key = (p["model"], p["op"], p["layout"], p["page_size"], p["item_bytes"], p.get("num_pages"))
         groups.setdefault(key, {})[p["backend"]] = p["median_ms"]
-    for (_, _, _, page, item), times in groups.items():
+    for (_, _, _, page, item, _), times in groups.items():
         ce = [times[b] for b in COPY_ENGINE_BACKENDS if b in times]
         if "kernel" in times and ce:
             by_frag.setdefault(item * page, []).append(min(ce) < times["kernel"])
@@ -397,10 +556,12 @@ def tune_auto(points: list[dict[str, Any]], sm_budget: int) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------------------------- GPU-only parts
 def _transfer_loop(run: Callable[[], None], stream: Any, stop: threading.Event) -> None:
-    """Keep one transfer in flight on ``stream`` until ``stop`` is set."""
-    while not stop.is_set():
-        run()
-        stream.synchronize()
+    """Keep one transfer in flight on ``stream`` until ``stop`` is set (the current stream is per
+    thread, so this thread makes ``stream`` its own)."""
+    with torch.cuda.stream(stream):
+        while not stop.is_set():
+            run()
+            stream.synchronize()
 
 
 def interference(args: argparse.Namespace, model: ModelConfig, backends: list[str], repeats: int) -> list[dict]:
@@ -414,8 +575,7 @@ def interference(args: argparse.Namespace, model: ModelConfig, backends: list[st
     timer = benchutil.CudaEventTimer(compute)
 
     def gemm() -> None:
-        with torch.cuda.stream(compute):
-            torch.mm(a, b)
+        torch.mm(a, b)  # on the compute stream: the timer makes it current
 
     alone = benchutil.measure(gemm, timer=timer, repeats=repeats, warmup=3)
     points = []
@@ -423,11 +583,12 @@ def interference(args: argparse.Namespace, model: ModelConfig, backends: list[st
         spec = PointSpec(model, name, "backup_all", "page_first_direct", 16, max(1, args.tokens // 16),
                          None if name in COPY_ENGINE_BACKENDS else args.sm_budget)  # fmt: skip
         side = torch.cuda.Stream()
-        prepare, run, nbytes, _ = transfer_fn(spec, work, side, gen)
-        prepare()
+        pw = transfer_fn(spec, work, gen)
+        with torch.cuda.stream(side):
+            pw.prepare()
         stop = threading.Event()
 
-        t = threading.Thread(target=_transfer_loop, args=(run, side, stop), daemon=True)
+        t = threading.Thread(target=_transfer_loop, args=(pw.run, side, stop), daemon=True)
         t.start()
         time.sleep(0.05)
         beside = benchutil.measure(gemm, timer=timer, repeats=repeats, warmup=1)
@@ -436,7 +597,8 @@ def interference(args: argparse.Namespace, model: ModelConfig, backends: list[st
         points.append({
             "kind": "interference", "model": model.name, "backend": name, "gemm_alone_ms": alone.median_ms,
             "gemm_beside_ms": beside.median_ms, "slowdown": beside.median_ms / alone.median_ms - 1.0,
-            "sm_budget": spec.sm_budget, "transfer_bytes": nbytes,
+            "sm_budget": spec.sm_budget, "transfer_bytes": pw.nbytes,
+            "batch_fallback": "; ".join(sorted(pw.fallbacks)) or None,
         })  # fmt: skip
     return points
 
@@ -633,11 +795,41 @@ TABLE = [
 ]  # fmt: skip
 
 
+def link_bandwidth() -> tuple[float | None, dict[str, Any]]:
+    """The current GPU's PCIe link as :mod:`hicache_kernels.pcie` reads it from NVML: its theoretical
+    one-direction GB/s (None when NVML cannot say) and the link facts (``error`` says why not)."""
+    from .pcie import link_facts, nvml_for_device, theoretical_of
+
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", "") or "") or None  # NVML and torch may number GPUs differently
+    nvml, handle, reason = nvml_for_device(index, uuid)
+    link = link_facts(nvml, handle, reason)
+    return theoretical_of(link), link
+
+
+def link_check_meta(link_gbps: float | None, why_not: str, problem: str | None = None) -> dict[str, Any]:
+    """``meta.link_check``: whether every ceiling and point was checked against the link, and how it went."""
+    check = {"made": link_gbps is not None, "passed": None, "tolerance": LINK_TOLERANCE}
+    if link_gbps is None:
+        return {**check, "note": f"not made: the link's theoretical bandwidth is unknown ({why_not})"}
+    if problem is not None:
+        return {**check, "passed": False, "note": problem}
+    limit = link_gbps * (1 + LINK_TOLERANCE)
+    return {**check, "passed": True, "note": f"every ceiling and point <= {limit:.2f} GB/s"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     specs = plan_sweep(args)
     meta = benchutil.run_meta("bench", vars(args))
+    est = estimate_s(specs, args.repeats, args.warmup, args.refcheck)
+    print(f"bench: {len(specs)} transfer points; on an H200 about {est:.0f} s of GPU time (an estimate: bytes at "
+          f"{ESTIMATE_GBPS:g} GB/s plus {ESTIMATE_US_PER_FRAGMENT:g} us per copy-engine fragment; setup, "
+          "interference and overlap not counted)")  # fmt: skip
     if not torch.cuda.is_available():
+        meta["link_theoretical_gbps"] = None
+        meta["link_check"] = link_check_meta(None, "no GPU")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the functional check runs Triton on CPU tensors
         print("hicache-kernels bench: bandwidth needs a CUDA GPU, and none is visible here "
               f"({meta.get('driver') or 'no driver'}; torch {torch.__version__}).")  # fmt: skip
@@ -657,19 +849,38 @@ def main(argv: list[str] | None = None) -> int:
             benchutil.write_json(args.json, meta, [], mode="cpu-functional-check", functional_check=checks)
         return 0 if all(c["ok"] for c in checks) else 1
     torch.cuda.init()
-    stream = torch.cuda.Stream()  # batch refuses the legacy default stream
+    link_gbps, link = link_bandwidth()
+    meta["link_theoretical_gbps"], meta["link"] = link_gbps, link
+    why_not = str(link.get("error") or "NVML reported no known PCIe generation and width")
+    if link_gbps is None:
+        print(f"bench: link check not made: the link's theoretical bandwidth is unknown ({why_not})")
+    # One side stream for every point, its warm-up and its ceiling: the timer's (batch refuses the
+    # legacy default stream).
+    timer = benchutil.CudaEventTimer(torch.cuda.Stream())
     progress = benchutil.Progress(len(specs), "bench")
-    points = run_sweep(specs, device=torch.device("cuda"), timer=benchutil.CudaEventTimer(stream),
-                       repeats=args.repeats, warmup=args.warmup, stream=stream, seed=args.seed,
-                       tokens=max(s.num_tokens for s in specs), progress=progress,
-                       refcheck=args.refcheck)  # fmt: skip
+    try:
+        points = run_sweep(specs, device=torch.device("cuda"), timer=timer, repeats=args.repeats,
+                           warmup=args.warmup, seed=args.seed, tokens=max(s.num_tokens for s in specs),
+                           progress=progress, refcheck=args.refcheck, link_gbps=link_gbps)  # fmt: skip
+    except LinkCheckError as exc:
+        progress.close()
+        meta["link_check"] = link_check_meta(link_gbps, why_not, str(exc))
+        if args.json:
+            benchutil.write_json(args.json, meta, exc.points)
+        print(f"bench: refused: {exc}", file=sys.stderr)
+        return 3
     progress.close()
+    meta["link_check"] = link_check_meta(link_gbps, why_not)
     models = models_from_args(args)
     if args.interference:
         points += interference(args, models[0], [b for b in _csv_list(args.backends) if b != "triton"], args.repeats)
     if args.overlap:
         points.append(overlap(args, models[0], "kernel" if "kernel" in args.backends else "direct", args.repeats))
     print(benchutil.format_table([p for p in points if p["kind"] == "transfer"], TABLE))
+    for p in points:
+        if p.get("batch_fallback"):
+            print(f"BATCH FELL BACK TO DIRECT ({p['backend']} {p['op']} {p['layout']} page {p['page_size']}): "
+                  f"{p['batch_fallback']}; targets 3 and 4 fail on this point")  # fmt: skip
     for p in points:
         if p["kind"] == "interference":
             print(f"GEMM slowdown beside {p['backend']}: {100 * p['slowdown']:.1f}% "

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,25 +24,55 @@ import torch
 
 
 class Timer(Protocol):
-    """Times one call of ``fn`` in milliseconds (``prepare`` runs first, untimed)."""
+    """Times one call of ``fn`` in milliseconds (``prepare`` runs first, untimed).
+
+    A timer that times a CUDA stream also has ``stream_context()``: a context manager making that
+    stream current. :func:`measure` runs every call (prepare, warm-up, timed) inside it, so the work
+    always lands on the stream whose events time it. A timer with no stream (the CPU fakes of the unit
+    tests) has nothing to enter and need not define it.
+    """
 
     def time_ms(self, fn: Callable[[], Any]) -> float: ...
 
 
 class CudaEventTimer:
-    """CUDA events around ``fn`` on ``stream`` (default: the current stream); waits for the end event."""
+    """CUDA events around ``fn`` on ``stream`` (default: the current stream); waits for the end event.
+
+    ``fn`` runs with ``stream`` made current, so anything it issues on the current stream is what the
+    events time: a point cannot be timed on one stream while its work runs on another unless ``fn``
+    names another stream itself (which the bench's points never do).
+    """
 
     def __init__(self, stream: Any = None) -> None:
         self.stream = stream
+        # Reused across calls (each call waits for its end event first): creating an event is a host
+        # call that would otherwise sit between fn's work and the end record.
+        self._events: tuple[Any, Any] | None = None
+
+    def stream_context(self) -> AbstractContextManager[Any]:
+        """``stream`` made current for the block (nothing to do when timing the current stream)."""
+        return nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
     def time_ms(self, fn: Callable[[], Any]) -> float:
-        stream = self.stream or torch.cuda.current_stream()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
+        # Entered before the start record and left after the end record: switching streams costs host
+        # time, which must not fall between the two events.
+        with self.stream_context():
+            stream = torch.cuda.current_stream()
+            if self._events is None:
+                self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                self._events[1].record(stream)  # torch creates an event at its first record: do it here
+            start, end = self._events
+            start.record(stream)
+            fn()
+            end.record(stream)
         end.synchronize()
         return start.elapsed_time(end)
+
+
+def issuing(timer: Timer) -> AbstractContextManager[Any]:
+    """The context every call measured by ``timer`` runs in: its stream made current (see :class:`Timer`)."""
+    context = getattr(timer, "stream_context", None)
+    return nullcontext() if context is None else context()
 
 
 @dataclass(frozen=True)
@@ -87,18 +118,21 @@ def measure(
     warmup: int = 2,
     prepare: Callable[[], Any] | None = None,
 ) -> Stats:
-    """Run ``prepare`` (untimed) and ``fn`` ``warmup`` times, then ``repeats`` timed times."""
+    """Run ``prepare`` (untimed) and ``fn`` ``warmup`` times, then ``repeats`` timed times, all on the
+    timer's stream (:func:`issuing`): a warm-up or a prepared index copy on another stream would be
+    unordered with the timed work (PyTorch's side streams do not wait for the legacy default stream)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats/warmup: expected repeats >= 1 and warmup >= 0, got {repeats}/{warmup}")
-    for _ in range(warmup):
-        if prepare:
-            prepare()
-        fn()
     times = []
-    for _ in range(repeats):
-        if prepare:
-            prepare()
-        times.append(timer.time_ms(fn))
+    with issuing(timer):
+        for _ in range(warmup):
+            if prepare:
+                prepare()
+            fn()
+        for _ in range(repeats):
+            if prepare:
+                prepare()
+            times.append(timer.time_ms(fn))
     return summarize(times)
 
 

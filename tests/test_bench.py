@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import subprocess
@@ -10,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from hicache_kernels import bench, benchutil
+from hicache_kernels import bench, benchutil, targets
+from hicache_kernels.backends import AutoBackend, BatchBackend, IOBackend
 
 
 class FakeTimer:
@@ -45,6 +47,7 @@ def test_no_gpu_mode_runs_the_functional_check(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["mode"] == "cpu-functional-check" and doc["points"] == []
     assert bench.validate_bench_json(doc) == []
+    assert doc["meta"]["link_theoretical_gbps"] is None and doc["meta"]["link_check"]["made"] is False
     checks = doc["functional_check"]
     assert {c["backend"] for c in checks} == {"direct", "batch", "auto", "triton"}
     assert all(c["ok"] for c in checks) and len(checks) == 4 * 7 * 3
@@ -136,12 +139,12 @@ def test_refcheck_verifies_every_point(backends):
 def test_refcheck_catches_a_wrong_copy(monkeypatch):
     from hicache_kernels import ops
 
-    real = ops.transfer
+    real = ops.build_plan
 
     def off_by_one(direction, k, v, host, d, h, **kw):  # moves the right data to the wrong host slots
-        real(direction, k, v, host, d, (h + 1) % 8, **kw)
+        return real(direction, k, v, host, d, (h + 1) % 8, **kw)
 
-    monkeypatch.setattr(ops, "transfer", off_by_one)
+    monkeypatch.setattr(ops, "build_plan", off_by_one)
     specs = [s for s in custom_specs("direct") if s.page_size == 1]
     points = bench.run_sweep(specs, device=torch.device("cpu"), timer=FakeTimer([1.0]), repeats=1, warmup=0,
                              tokens=8, pin=False, refcheck=True)  # fmt: skip
@@ -241,3 +244,389 @@ def test_quick_bench_on_gpu_writes_sane_json(tmp_path):
     for p in transfer:
         assert p["ratio_to_ceiling"] == pytest.approx(p["gbps"] / p["ceiling_gbps"])
     assert doc["meta"]["gpu"]
+    check, link = doc["meta"]["link_check"], doc["meta"]["link_theoretical_gbps"]
+    assert check["passed"] is (True if check["made"] else None) and check["made"] is (link is not None)
+    if link is not None:
+        assert all(p["ceiling_gbps"] <= link * (1 + bench.LINK_TOLERANCE) for p in transfer)
+
+
+# ---------------------------------------------------------------------------------------------- streams
+class FakeCuda:
+    """torch.cuda's current stream, stream context and events, for CPU: streams are plain names, and
+    every event record notes the stream it was recorded on."""
+
+    def __init__(self) -> None:
+        self.current = "default"
+        self.records: list[str] = []
+
+    def stream(self, s):
+        @contextlib.contextmanager
+        def context():
+            prev, self.current = self.current, s
+            try:
+                yield
+            finally:
+                self.current = prev
+
+        return context()
+
+    def current_stream(self, device=None):
+        return self.current
+
+    elapsed_ms = 1.0  # what every timed call measures
+
+    def Event(self, enable_timing=False):  # noqa: N802 - torch.cuda.Event's name
+        cuda = self
+
+        class Event:
+            def record(self, stream=None):
+                cuda.records.append(stream)
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return cuda.elapsed_ms
+
+        return Event()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    cuda = FakeCuda()
+    for name in ("stream", "current_stream", "Event"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    return cuda
+
+
+def test_event_timer_runs_prepare_warmup_and_timed_calls_on_its_stream(fake_cuda):
+    seen = []
+    timer = benchutil.CudaEventTimer("side")
+    stats = benchutil.measure(lambda: seen.append(("fn", fake_cuda.current)), timer=timer, repeats=3, warmup=2,
+                              prepare=lambda: seen.append(("prepare", fake_cuda.current)))  # fmt: skip
+    assert stats.median_ms == 1.0 and len(seen) == 10
+    assert {s for _, s in seen} == {"side"} and set(fake_cuda.records) == {"side"}
+    assert fake_cuda.current == "default"  # restored afterwards
+    # Called on its own, not through measure(), the timer still runs fn on its stream.
+    assert timer.time_ms(lambda: seen.append(("direct call", fake_cuda.current))) == 1.0
+    assert seen[-1] == ("direct call", "side") and fake_cuda.current == "default"
+
+
+class StreamSpy(IOBackend):
+    """Wraps a point's real backend: notes the stream current at each run and the plan's own stream."""
+
+    def __init__(self, inner, seen):
+        self.inner, self.seen = inner, seen
+
+    def run(self, plan):
+        self.seen.append((torch.cuda.current_stream(), plan.stream))
+        self.inner.run(plan)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def test_every_point_and_its_ceiling_run_on_the_timer_stream(fake_cuda, monkeypatch):
+    seen = []
+    real_backend, real_ceiling = bench._backend_object, bench.ceiling_fn
+    monkeypatch.setattr(bench, "_backend_object", lambda spec: StreamSpy(real_backend(spec), seen))
+
+    def ceiling(*args, **kwargs):
+        copy = real_ceiling(*args, **kwargs)
+        return lambda: (seen.append((torch.cuda.current_stream(), None)), copy())
+
+    monkeypatch.setattr(bench, "ceiling_fn", ceiling)
+    specs = custom_specs("direct,batch")
+    points = bench.run_sweep(specs, device=torch.device("cpu"), timer=benchutil.CudaEventTimer("side"),
+                             repeats=2, warmup=1, tokens=8, pin=False, refcheck=True)  # fmt: skip
+    assert len(points) == len(specs) and all(p["refcheck"] for p in points)
+    # Every call (warm-up, timed, refcheck; points and ceilings) ran with the timer's stream current,
+    # and no plan named a stream of its own.
+    assert len(seen) > 4 * len(specs) and set(seen) == {("side", None)}
+    assert set(fake_cuda.records) == {"side"}
+
+
+# ---------------------------------------------------------------------------------------------- link check
+def test_link_violation_allows_the_tolerance_and_no_more():
+    link = 63.02  # PCIe Gen5 x16, per direction
+    assert bench.link_violation("ceiling", 55.0, link) is None
+    assert bench.link_violation("ceiling", link * (1 + bench.LINK_TOLERANCE) - 1e-9, link) is None
+    problem = bench.link_violation("copy-engine ceiling, h2d", 70.0, link)
+    assert problem and "70.00 GB/s" in problem and "63.02" in problem and "timing error" in problem
+    assert bench.link_violation("ceiling", 1e6, None) is None  # unknown link: nothing to compare with
+
+
+def test_run_sweep_refuses_a_ceiling_or_a_point_above_the_link():
+    specs = [s for s in custom_specs("direct") if (s.page_size, s.direction, s.layout) == (1, "load_all", "page_first")]
+    nbytes = specs[0].nbytes
+    kw = dict(device=torch.device("cpu"), repeats=1, warmup=0, tokens=8, pin=False)
+    # 1 ms per call: nbytes / 1e6 GB/s. A link just above that passes; one below refuses the ceiling.
+    gbps = nbytes / 1e6
+    assert len(bench.run_sweep(specs, timer=FakeTimer([1.0]), link_gbps=gbps, **kw)) == 1
+    with pytest.raises(bench.LinkCheckError, match="copy-engine ceiling, h2d") as err:
+        bench.run_sweep(specs, timer=FakeTimer([1.0]), link_gbps=gbps / 2, **kw)
+    assert err.value.points == []
+    # The ceiling (timed first) at 1 ms is within the link, the point at 0.25 ms is not.
+    with pytest.raises(bench.LinkCheckError, match="direct load_all") as err:
+        bench.run_sweep(specs, timer=FakeTimer([1.0, 0.25]), link_gbps=gbps * 2, **kw)
+    assert [p["gbps"] for p in err.value.points] == [pytest.approx(4 * gbps)]
+
+
+def test_link_check_meta_says_whether_the_check_was_made():
+    skipped = bench.link_check_meta(None, "NVML unavailable: no driver")
+    assert (skipped["made"], skipped["passed"]) == (False, None) and "not made" in skipped["note"]
+    assert "NVML unavailable" in skipped["note"]
+    assert bench.link_check_meta(63.02, "ok")["passed"] is True
+    failed = bench.link_check_meta(63.02, "ok", "ceiling: 80 GB/s is above ...")
+    assert (failed["made"], failed["passed"]) == (True, False) and failed["note"].startswith("ceiling")
+
+
+class FakeNvml:
+    """The NVML calls pcie.py's link reading makes (a Gen5 x16 link that idles at Gen1)."""
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):  # noqa: N802 - NVML's names
+        return uuid
+
+    def nvmlDeviceGetHandleByIndex(self, index):  # noqa: N802
+        return index
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):  # noqa: N802
+        return 1
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h):  # noqa: N802
+        return 5
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):  # noqa: N802
+        return 16
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h):  # noqa: N802
+        return 16
+
+
+@pytest.fixture
+def gpu_main(monkeypatch, fake_cuda):
+    """bench.main's GPU path on CPU: CUDA events and streams faked (fake_cuda), NVML faked (a Gen5 x16
+    link), the pools on the CPU, and the kernel replaced by direct (the CUDA kernels cannot run here)."""
+    from types import SimpleNamespace
+
+    from hicache_kernels import _env
+    from hicache_kernels.backends import DirectBackend
+
+    props = SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, uuid="1234")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "side")
+    monkeypatch.setattr(_env, "_nvml", lambda: (FakeNvml(), "ok"))
+    real_sweep, real_backend = bench.run_sweep, bench._backend_object
+    cpu = {"device": torch.device("cpu"), "pin": False}
+    monkeypatch.setattr(bench, "run_sweep", lambda specs, **kw: real_sweep(specs, **{**kw, **cpu}))
+    monkeypatch.setattr(bench, "_backend_object",
+                        lambda spec: DirectBackend() if spec.backend == "kernel" else real_backend(spec))  # fmt: skip
+    return fake_cuda
+
+
+CORE_CUSTOM = ["--targets-core", "--preset", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim", "128",
+               "--dtype", "float16", "--tokens", "16", "--repeats", "1", "--warmup", "0"]  # fmt: skip
+
+
+def test_main_on_a_gpu_checks_the_link_and_writes_what_targets_reads(gpu_main, tmp_path):
+    out = tmp_path / "core.json"
+    assert bench.main([*CORE_CUSTOM, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["link_theoretical_gbps"] == pytest.approx(63.02) and doc["meta"]["link_check"]["passed"]
+    assert bench.validate_bench_json(doc) == []
+    assert {p.get("batch_fallback") for p in doc["points"] if p["backend"] == "batch"} == {None}
+    assert set(gpu_main.records) == {"side"}
+    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(out), "--json"], capture_output=True,
+                          text=True)  # fmt: skip
+    rows = json.loads(proc.stdout)
+    assert [r["status"] != "n/a" for r in rows] == [True] * 4 + [False] * 3  # targets 1 (both ways), 2, 3
+
+
+def test_main_on_a_gpu_refuses_a_ceiling_above_the_link(gpu_main, tmp_path, capsys):
+    gpu_main.elapsed_ms = 1e-6  # every copy "takes" a nanosecond: far above any link
+    out = tmp_path / "core.json"
+    assert bench.main([*CORE_CUSTOM, "--json", str(out)]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("bench: refused: copy-engine ceiling") and "63.02" in err
+    check = json.loads(out.read_text())["meta"]["link_check"]
+    assert (check["made"], check["passed"]) == (True, False) and "timing error" in check["note"]
+    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "refused" in proc.stderr
+
+
+@pytest.mark.parametrize("nvml", [(FakeNvml(), "ok"), (None, "nvidia-ml-py is not installed")])
+def test_link_bandwidth_reads_nvml_through_pcie(monkeypatch, nvml):
+    from types import SimpleNamespace
+
+    from hicache_kernels import _env
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="1234"))
+    monkeypatch.setattr(_env, "_nvml", lambda: nvml)
+    gbps, link = bench.link_bandwidth()
+    if nvml[0] is None:
+        assert gbps is None and link["error"] == "nvidia-ml-py is not installed"
+    else:
+        assert gbps == pytest.approx(63.02) and link["max_generation"] == 5  # max, not the idle Gen1
+
+
+# ---------------------------------------------------------------------------------------------- fallbacks
+class FirstRunFallsBack(BatchBackend):
+    """BatchBackend on CPU tensors, whose first run reports a fallback as the GPU path would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def _run(self, plan) -> None:
+        super()._run(plan)  # resets last_fallback, as every real run does
+        if self.calls == 0:
+            self.last_fallback = "cudaMemcpyBatchAsync returned cudaErrorNotSupported"
+        self.calls += 1
+
+
+class AutoPicksBatch(AutoBackend):
+    def __init__(self) -> None:
+        super().__init__(thresholds={})
+        self.batch = FirstRunFallsBack()
+
+    def choose(self, plan):
+        return self.batch
+
+
+@pytest.mark.parametrize(("backend", "make"), [("batch", FirstRunFallsBack), ("auto", AutoPicksBatch)])
+def test_a_fallback_in_any_run_marks_the_point(monkeypatch, backend, make):
+    monkeypatch.setattr(bench, "_backend_object", lambda spec: make())
+    specs = [s for s in custom_specs(backend) if s.page_size == 1 and s.direction == "load_all"]
+    points = bench.run_sweep(specs, device=torch.device("cpu"), timer=FakeTimer([1.0]), repeats=3, warmup=1,
+                             tokens=8, pin=False)  # fmt: skip
+    # Only the first (warm-up) run fell back; the last three did not.
+    assert [p["batch_fallback"] for p in points] == ["cudaMemcpyBatchAsync returned cudaErrorNotSupported"] * 2
+    if backend == "auto":
+        assert {p["auto_choice"] for p in points} == {"batch"}
+
+
+def test_points_without_a_fallback_say_none():
+    points = bench.run_sweep(custom_specs("batch,auto"), device=torch.device("cpu"), timer=FakeTimer([1.0]),
+                             repeats=2, warmup=1, tokens=8, pin=False)  # fmt: skip
+    assert {p["batch_fallback"] for p in points} == {None}
+    assert {p["auto_choice"] for p in points if p["backend"] == "auto"} == {"direct"}  # CPU tensors
+
+
+def test_ratios_compare_only_the_same_number_of_pages():
+    points = [
+        {"kind": "transfer", "model": "m", "backend": b, "op": "load_all", "layout": "x", "page_size": 1,
+         "num_pages": n, "median_ms": t}
+        for b, n, t in (("kernel", 8, 1.0), ("direct", 8, 4.0), ("kernel", 512, 2.0), ("direct", 512, 40.0))
+    ]  # fmt: skip
+    bench.add_ratios(points)
+    assert [p.get("kernel_over_direct") for p in points if p["backend"] == "kernel"] == [4.0, 20.0]
+
+
+def test_tune_auto_keeps_page_counts_apart():
+    pts = [
+        {"kind": "transfer", "model": "m", "op": "load_all", "layout": "x", "page_size": 16, "item_bytes": 1024,
+         "num_pages": n, "backend": b, "median_ms": ms, "sm_budget": None if b == "batch" else 4}
+        for n, b, ms in ((8, "kernel", 1.0), (8, "batch", 2.0), (512, "kernel", 3.0), (512, "batch", 2.0))
+    ]  # fmt: skip
+    # The kernel wins at 8 pages: copy engines do not win at every measurement of 16 KiB fragments.
+    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 16 * 1024 + 1}
+
+
+# ---------------------------------------------------------------------------------------------- --targets-core
+def fabricated_points(specs):
+    """Points as run_sweep would write them, with the kernel fast enough to pass every target."""
+    ms = {"kernel": 1.0, "direct": 20.0, "batch": 3.0}
+    points = [
+        {"kind": "transfer", "model": s.model.name, "backend": s.backend, "op": s.direction,
+         "direction": bench.DIRECTIONS[s.direction][0], "scope": bench.DIRECTIONS[s.direction][1],
+         "layout": s.layout, "page_size": s.page_size, "item_bytes": s.model.item_bytes, "num_pages": s.num_pages,
+         "median_ms": ms[s.backend], "ratio_to_ceiling": 0.95 / ms[s.backend], "sm_budget": s.sm_budget}
+        for s in specs
+    ]  # fmt: skip
+    bench.add_ratios(points)
+    return points
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "deepseek-v3"])
+def test_targets_core_plan_is_exactly_what_targets_1_to_3_read(preset):
+    specs = bench.plan_sweep(bench.parse_args(["--targets-core", "--preset", preset]))
+    model = bench.PRESETS[preset]
+    pages, ops, lays = (1, 4, 16, 64, 128), set(bench.DIRECTIONS), {"page_first_direct", "layer_first"}
+    got = {(s.backend, s.direction, s.layout, s.page_size, s.sm_budget) for s in specs}
+    want = {("kernel", o, lo, p, targets.T1_MAX_SMS) for o in ops for lo in lays for p in pages}
+    want |= {("direct", o, lo, 1, None) for o in ops for lo in lays}
+    want |= {("batch", o, lo, p, None) for o in ops for lo in lays for p in pages if model.item_bytes * p <= 4096}
+    assert got == want and len(specs) == len(want)
+    rows = targets.evaluate({"points": fabricated_points(specs)})
+    assert [r["status"] for r in rows] == ["pass"] * 4 + ["n/a"] * 3, rows  # targets 1 (both ways), 2, 3
+    # Every kernel page size counts for target 1: a slow one shows.
+    slow = fabricated_points(specs)
+    for p in slow:
+        if p["backend"] == "kernel" and p["page_size"] == 128 and p["direction"] == "d2h":
+            p["ratio_to_ceiling"] = 0.5
+    t1 = targets.evaluate({"points": slow})[0]
+    assert t1["status"] == "MISS" and "page 128" in t1["worst_at"]
+
+
+def test_targets_core_help_quotes_the_current_estimate():
+    args = bench.parse_args(["--targets-core"])
+    estimate = bench.estimate_s(bench.plan_sweep(args), args.repeats, args.warmup)
+    assert round(estimate) == bench.CORE_ESTIMATE_S
+    assert estimate < 90
+    proc = cli("--help")
+    assert f"estimated ~{bench.CORE_ESTIMATE_S} s of GPU time" in " ".join(proc.stdout.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--head-dim", "64"], "below target 1's 512 B"),  # 2 heads x 64 x fp16 = 256 B
+        (["--head-dim", "2048"], "target 3's 4096 B"),  # 8 KiB items: no fragment is small enough
+    ],
+)
+def test_targets_core_refuses_models_that_cannot_decide_its_targets(argv, message):
+    args = bench.parse_args(["--targets-core", "--preset", "custom", "--layers", "2", "--kv-heads", "2",
+                             "--dtype", "float16", *argv])  # fmt: skip
+    with pytest.raises(SystemExit, match=message):
+        bench.plan_sweep(args)
+
+
+def test_targets_core_and_quick_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--targets-core", "--quick"])
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_estimate_counts_bytes_and_copy_engine_fragments():
+    model = bench.ModelConfig("m", num_layers=2, head_num=1, head_dim=512)  # 1 KiB items
+    kernel = bench.PointSpec(model, "kernel", "load_all", "page_first_direct", 4, 10, 4)
+    direct = bench.PointSpec(model, "direct", "load_all", "page_first_direct", 4, 10, None)
+    assert kernel.nbytes == 40 * 2 * 2 * 1024 and bench.copy_engine_fragments(direct) == 10 * 2 * 2
+    one = kernel.nbytes / (bench.ESTIMATE_GBPS * 1e9)
+    assert bench.estimate_s([kernel], repeats=3, warmup=1) == pytest.approx(4 * one + 4 * one)  # + its ceiling
+    frag_s = 40 * bench.ESTIMATE_US_PER_FRAGMENT * 1e-6
+    assert bench.estimate_s([kernel, direct], repeats=3, warmup=1) == pytest.approx(12 * one + 4 * frag_s)
+
+
+@pytest.mark.gpu
+def test_points_and_ceilings_run_on_the_timer_stream_on_gpu(monkeypatch):
+    seen = []
+    real_backend, real_ceiling = bench._backend_object, bench.ceiling_fn
+    monkeypatch.setattr(bench, "_backend_object", lambda spec: StreamSpy(real_backend(spec), seen))
+
+    def ceiling(*args, **kwargs):
+        copy = real_ceiling(*args, **kwargs)
+        return lambda: (seen.append((torch.cuda.current_stream(), None)), copy())
+
+    monkeypatch.setattr(bench, "ceiling_fn", ceiling)
+    side = torch.cuda.Stream()
+    specs = custom_specs("kernel,direct,batch")
+    points = bench.run_sweep(specs, device=torch.device("cuda"), timer=benchutil.CudaEventTimer(side), repeats=2,
+                             warmup=1, tokens=8, refcheck=True)  # fmt: skip
+    assert all(p["refcheck"] for p in points)
+    assert {(s.cuda_stream, plan_stream) for s, plan_stream in seen} == {(side.cuda_stream, None)}
+    assert torch.cuda.current_stream().cuda_stream != side.cuda_stream  # restored

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hicache_kernels.targets import evaluate
 
 
@@ -82,3 +84,61 @@ def test_cli(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(path), "--json"], capture_output=True,
                           text=True)  # fmt: skip
     assert len(json.loads(proc.stdout)) == 7
+
+
+FELL_BACK = "the legacy default stream is refused by cudaMemcpyBatchAsync"
+
+
+def test_a_batch_fallback_fails_kernel_over_batch_and_shows():
+    pts = [
+        point("kernel", 1.0, page=1, item=1024, kernel_over_direct=20.0, kernel_over_batch=3.0),
+        point("batch", 3.0, page=1, item=1024, batch_fallback=FELL_BACK),
+        point("direct", 20.0, page=1, item=1024),
+    ]
+    by = rows_by_target({"points": pts})
+    row = by["kernel / batch, fragments <= 4 KiB"]
+    assert row["status"] == "MISS" and (row["measured"], row["fallback"]) == (3.0, FELL_BACK)
+    assert "batch fell back to direct" in row["worst_at"] and FELL_BACK in row["worst_at"]
+    assert by["kernel / direct at page size 1"]["status"] == "pass"  # direct's figure is unaffected
+    pts[1]["batch_fallback"] = None
+    assert rows_by_target({"points": pts})["kernel / batch, fragments <= 4 KiB"]["status"] == "pass"
+
+
+def test_a_batch_fallback_fails_auto_within_5_percent():
+    def group(auto_fallback=None, batch_fallback=None):
+        return [
+            point("kernel", 1.0, page=64),
+            point("batch", 1.5, page=64, batch_fallback=batch_fallback),
+            point("auto", 1.0, page=64, batch_fallback=auto_fallback),
+        ]
+
+    name = "auto time / best backend's time"
+    assert rows_by_target({"points": group()})[name]["status"] == "pass"
+    for pts in (group(batch_fallback=FELL_BACK), group(auto_fallback=FELL_BACK)):
+        row = rows_by_target({"points": pts})[name]
+        assert row["status"] == "MISS" and row["fallback"] == FELL_BACK and FELL_BACK in row["worst_at"]
+
+
+def test_points_of_different_page_counts_are_not_compared():
+    pts = [
+        point("auto", 30.0, page=16, num_pages=512),  # slower than direct at 8 pages, but moves 64x more
+        point("direct", 29.0, page=16, num_pages=512),
+        point("auto", 1.0, page=16, num_pages=8),
+        point("direct", 0.5, page=16, num_pages=8),
+    ]
+    row = rows_by_target({"points": pts})["auto time / best backend's time"]
+    assert row["measured"] == 2.0  # 1.0 / 0.5 at 8 pages; 30 / 29 at 512 pages; never 30 / 0.5
+
+
+def test_a_run_whose_link_check_failed_is_refused(tmp_path):
+    note = "copy-engine ceiling, h2d, 1048576 B: 80.00 GB/s is above the PCIe link's theoretical 63.02 GB/s"
+    doc = {"meta": {"link_check": {"made": True, "passed": False, "note": note}}, "points": [point("kernel", 1.0)]}
+    with pytest.raises(ValueError, match="refused this run's figures: copy-engine ceiling"):
+        evaluate(doc)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.splitlines()) == 1 and note in proc.stderr
+    for check in ({"made": False, "passed": None, "note": "not made: NVML unavailable"}, {"passed": True}):
+        by = rows_by_target({"meta": {"link_check": check}, "points": [point("kernel", 1.0)]})
+        assert by["kernel / copy-engine ceiling, h2d, items >= 512 B, <= 4 SMs"]["status"] == "pass"
