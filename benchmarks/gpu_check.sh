@@ -1,68 +1,144 @@
 #!/usr/bin/env bash
-# The whole GPU check, end to end, on a machine with an NVIDIA GPU and no network:
-#   build the extension for the local arch -> info -> gpu tests -> gpu tests under compute-sanitizer
-#   -> bench --quick -> pcie --quick -> targets, then a short summary printed last.
+# The GPU check in two stages, sized for a short loan of a GPU machine (no network there):
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR
+#   stage 1 (must fit 5 minutes on an H200): build for the local arch -> info -> the gpu_smoke tests
+#           -> the bench points that decide targets 1-3 (bench --targets-core) -> targets
+#   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> compute-sanitizer
+#           memcheck on the smoke set -> pcie --quick -> bench --quick (interference, overlap, auto)
 #
-# Writes into OUT_DIR (7 files): gpu_check.log (every step's output), info.json, bench.json,
-# bench.png, pcie.json, pcie.png, summary.txt. Estimated at about 5 minutes on an H200 (not yet
-# measured: no run so far); each step has its own time limit, so one hung step costs at most its
-# limit and the rest still run. A failing step is recorded in the summary.
-# Needs: python3 with torch (CUDA), triton, pybind11, ninja, nvidia-ml-py, pytest, hypothesis,
-# matplotlib; nvcc under CUDA_HOME (default /usr/local/cuda); compute-sanitizer (optional).
+#   bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--budget SECONDS] OUT_DIR
+#
+# Every step has its own time limit, clipped to what is left of --budget (default 480 s of wall time
+# for the whole script); a step that would start with less than 20 s left is not started. Results go
+# to OUT_DIR as they are made, and summary.txt is rewritten after every step, so a run cut short still
+# leaves what finished. Files (at most 8): gpu_check.log (every step's output), summary.txt, info.json,
+# bench_core.json, bench_quick.json, pcie.json.
+#
+# --dry-run: on a CPU machine, run every step's command with CPU stand-ins (sm_90 assumed; pytest steps
+# collect instead of running; the bench and pcie CLIs take their no-GPU paths; compute-sanitizer is only
+# looked up), so a wrong flag, a missing marker or a missing package shows before GPU time is spent.
+# Exit status: 0 when every step that ran passed (in a dry run: when every step would start).
+#
+# Needs: python3 with torch (CUDA), triton, pybind11, ninja, nvidia-ml-py, pytest, pytest-timeout,
+# hypothesis; nvcc under CUDA_HOME (default /usr/local/cuda); compute-sanitizer (optional).
 set -uo pipefail
-OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}
+DRY=0
+STAGE=all
+BUDGET=480
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --stage) STAGE=${2:?--stage needs 1, 2 or all}; shift ;;
+    --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
+    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
+    *) break ;;
+  esac
+  shift
+done
+OUT=${1:?usage: bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--budget SECONDS] OUT_DIR}
+case $STAGE in 1 | 2 | all) ;; *) echo "gpu_check.sh: --stage must be 1, 2 or all, got $STAGE" >&2; exit 2 ;; esac
+case $BUDGET in '' | *[!0-9]*) echo "gpu_check.sh: --budget must be whole seconds, got $BUDGET" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOG="$OUT/gpu_check.log"
+SUMMARY="$OUT/summary.txt"
 : >"$LOG"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PYTHONUNBUFFERED=1
+START=$SECONDS
+FAILED=0
 declare -a STEPS=()
 
-step() { # step NAME LIMIT_S COMMAND...: run with a time limit, log everything, record the outcome
+if [ $DRY = 1 ]; then
+  ARCH=${HICACHE_CUDA_ARCHS:-90}
+  GPU_NAME="dry run on $(hostname) (no GPU; CPU stand-ins)"
+else
+  ARCH=$($PY -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())' 2>>"$LOG")
+  if [ -z "$ARCH" ]; then
+    echo "no CUDA GPU visible to torch; see $LOG (use --dry-run on a CPU machine)" | tee -a "$LOG"
+    exit 1
+  fi
+  GPU_NAME=$($PY -c 'import torch; print(torch.cuda.get_device_name())' 2>>"$LOG")
+fi
+export HICACHE_CUDA_ARCHS=$ARCH
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+DIRTY=$(git diff --quiet HEAD 2>/dev/null || echo ' + uncommitted changes')
+HEADER="GPU check: $GPU_NAME, sm_$ARCH, commit $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$DIRTY,\
+ stage $STAGE, budget ${BUDGET}s, started $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+
+write_summary() {
+  {
+    echo "$HEADER"
+    printf '%s\n' "${STEPS[@]}"
+    echo "elapsed $((SECONDS - START))s of ${BUDGET}s"
+  } >"$SUMMARY"
+}
+
+# step NAME LIMIT_S COMMAND...: run with a time limit clipped to the budget, log everything, record it.
+step() {
   local name=$1 limit=$2
   shift 2
+  local left=$((BUDGET - (SECONDS - START)))
+  if [ $left -lt 20 ]; then
+    STEPS+=("$(printf '%-16s %-22s' "$name" 'NOT RUN (budget spent)')")
+    echo "=== $name: not run, ${left}s of the budget left" | tee -a "$LOG"
+    write_summary
+    return 0
+  fi
+  [ "$limit" -gt $((left - 5)) ] && limit=$((left - 5))
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
   local status=ok
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="TIMEOUT"; elif [ $rc -ne 0 ]; then status="FAILED($rc)"; fi
-  STEPS+=("$(printf '%-22s %-12s %4ss' "$name" "$status" $((SECONDS - t0)))")
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=TIMEOUT; elif [ $rc -ne 0 ]; then status="FAILED($rc)"; fi
+  [ $rc -ne 0 ] && FAILED=1
+  STEPS+=("$(printf '%-16s %-22s %4ss' "$name" "$status" $((SECONDS - t0)))")
   echo "=== $name: $status in $((SECONDS - t0))s" | tee -a "$LOG"
-  return $rc
+  write_summary
+  return 0
 }
 
-ARCH=$($PY -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())' 2>>"$LOG")
-if [ -z "$ARCH" ]; then
-  echo "no CUDA GPU visible to torch; see $LOG" | tee -a "$LOG"
-  exit 1
-fi
-export HICACHE_CUDA_ARCHS=$ARCH
-export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# In a dry run pytest only collects (a marker or file that selects nothing exits 5 and fails the step).
+PYTEST=($PY -m pytest -q -p no:cacheprovider)
+[ $DRY = 1 ] && PYTEST+=(--collect-only)
+SMOKE=(-m gpu_smoke tests)
 
-step build 180 $PY -m pip install --no-build-isolation --no-deps -e .
-step info 30 sh -c "$PY -m hicache_kernels.info && $PY -m hicache_kernels.info --json >'$OUT/info.json'"
-step gpu-tests 240 $PY -m pytest -q -rf -m gpu --maxfail=30 --timeout=60 -p no:cacheprovider tests
-if command -v compute-sanitizer >/dev/null 2>&1; then
-  step sanitizer 120 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider \
-    tests/test_ops_gpu.py -k "kernel and bfloat16 and not compile and (page_first_direct or page_head)"
-else
-  STEPS+=("$(printf '%-22s %-12s' sanitizer 'SKIPPED (no compute-sanitizer)')")
+if [ "$STAGE" != 2 ]; then
+  step build 180 $PY -m pip install --no-build-isolation --no-deps -e .
+  step info 30 sh -c "$PY -m hicache_kernels.info && $PY -m hicache_kernels.info --json >'$OUT/info.json'"
+  step gpu-smoke 150 "${PYTEST[@]}" -rf --timeout=60 "${SMOKE[@]}"
+  step bench-core 120 $PY -m hicache_kernels.bench --targets-core --refcheck --json "$OUT/bench_core.json"
+  step targets 20 $PY -m hicache_kernels.targets "$OUT/bench_core.json"
 fi
-step bench-quick 240 $PY -m hicache_kernels.bench --quick --refcheck --json "$OUT/bench.json" --plot "$OUT/bench.png"
-step pcie-quick 120 $PY -m hicache_kernels.pcie --quick --json "$OUT/pcie.json" --plot "$OUT/pcie.png"
-
-{
-  echo "GPU check: $($PY -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null), sm_$ARCH," \
-    "commit $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  printf '%s\n' "${STEPS[@]}"
-  if [ -s "$OUT/bench.json" ]; then
-    echo
-    $PY -m hicache_kernels.targets "$OUT/bench.json"
+if [ "$STAGE" != 1 ]; then
+  step gpu-tests 240 "${PYTEST[@]}" -rf -m gpu --maxfail=30 --timeout=60 tests
+  if [ $DRY = 1 ]; then
+    if command -v compute-sanitizer >/dev/null 2>&1; then SAN=found; else SAN="not found here"; fi
+    step sanitizer 60 sh -c "echo 'compute-sanitizer: $SAN (dry run: the test selection is collected)' &&
+      ${PYTEST[*]} ${SMOKE[*]} -k 'kernel or triton'"
+  elif command -v compute-sanitizer >/dev/null 2>&1; then
+    step sanitizer 150 compute-sanitizer --tool memcheck --error-exitcode 9 "${PYTEST[@]}" "${SMOKE[@]}" \
+      -k "kernel or triton"
+  else
+    STEPS+=("$(printf '%-16s %-22s' sanitizer 'SKIPPED (no compute-sanitizer)')")
   fi
-} | tee "$OUT/summary.txt"
+  step pcie-quick 120 $PY -m hicache_kernels.pcie --quick --json "$OUT/pcie.json"
+  step bench-quick 240 $PY -m hicache_kernels.bench --quick --refcheck --json "$OUT/bench_quick.json"
+fi
+write_summary
+{
+  cat "$SUMMARY"
+  for f in bench_core bench_quick; do
+    if [ -s "$OUT/$f.json" ]; then
+      echo
+      echo "Targets read from $f.json:"
+      $PY -m hicache_kernels.targets "$OUT/$f.json"
+    fi
+  done
+} | tee "$SUMMARY.tmp"
+mv "$SUMMARY.tmp" "$SUMMARY"
+exit $FAILED

@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.sh on CPU: with a stand-in python that claims an sm_90 GPU, every step runs
-(GPU tests skip, bench and pcie take their no-GPU paths), and the summary and files appear."""
+"""benchmarks/gpu_check.sh on CPU: the dry run starts every step of both stages with CPU stand-ins, the
+budget stops steps from starting, bad options are refused, and without a GPU the real run refuses."""
 
 from __future__ import annotations
 
@@ -13,35 +13,88 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.build
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+STAGE1 = ("build", "info", "gpu-smoke", "bench-core", "targets")
+STAGE2 = ("gpu-tests", "sanitizer", "pcie-quick", "bench-quick")
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the real script runs on a GPU machine")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the real script runs on a GPU machine")
-def test_gpu_check_script_runs_every_step(tmp_path):
-    fake = tmp_path / "python"
-    fake.write_text(
-        "#!/bin/sh\n"
-        'case "$*" in\n'
-        "  *get_device_capability*) echo 90; exit 0;;\n"
-        "  *get_device_name*) echo 'stand-in GPU'; exit 0;;\n"
-        "esac\n"
-        f'exec {sys.executable} "$@"\n'
-    )
-    fake.chmod(0o755)
+def run_check(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": sys.executable, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=900)  # fmt: skip
+
+
+def step_lines(summary: str) -> dict[str, str]:
+    return {line.split()[0]: line for line in summary.splitlines() if line and line.split()[0] in STAGE1 + STAGE2}
+
+
+@needs_cpu
+@pytest.mark.build
+def test_dry_run_starts_every_step(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": str(fake), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out)], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=900)  # fmt: skip
+    proc = run_check("--dry-run", str(out), cwd=tmp_path)
     summary = (out / "summary.txt").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.endswith(summary), "the summary is not printed last"
-    for name in ("build", "info", "gpu-tests", "bench-quick", "pcie-quick"):
-        assert f"{name} " in summary and "TIMEOUT" not in summary
-    assert "stand-in GPU, sm_90" in summary
-    lines = {line.split()[0]: line for line in summary.splitlines() if line and line.split()[0] in
-             ("build", "info", "gpu-tests", "bench-quick", "pcie-quick")}  # fmt: skip
+    lines = step_lines(summary)
+    assert set(lines) == set(STAGE1 + STAGE2), summary
     assert all(" ok " in line for line in lines.values()), summary
+    assert "dry run" in summary and "sm_90" in summary
+    log = (out / "gpu_check.log").read_text()
+    assert "--collect-only" in log and "-m gpu_smoke" in log and "--targets-core" in log
     assert json.loads((out / "info.json").read_text())["build"]["archs"] == ["90"]
-    assert json.loads((out / "bench.json").read_text())["mode"] == "cpu-functional-check"
+    assert json.loads((out / "bench_core.json").read_text())["mode"] == "cpu-functional-check"
     assert json.loads((out / "pcie.json").read_text())["mode"] == "no-gpu"
     assert "kernel / copy-engine ceiling" in summary  # the targets table (all n/a without points)
-    assert len(list(out.iterdir())) <= 8  # what the device tool can bring back
+    assert len(list(out.iterdir())) <= 8  # what the device tool brings back comfortably
+
+
+@needs_cpu
+def test_budget_spent_means_steps_are_not_started(tmp_path):
+    out = tmp_path / "out"
+    proc = run_check("--dry-run", "--stage", "2", "--budget", "0", str(out), cwd=tmp_path)
+    summary = (out / "summary.txt").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = step_lines(summary)
+    assert set(lines) == set(STAGE2), summary  # stage 2 only
+    assert all("NOT RUN (budget spent)" in line for line in lines.values()), summary
+
+
+@needs_cpu
+@pytest.mark.build
+def test_a_failing_step_fails_the_run_and_later_steps_still_run(tmp_path):
+    # The dry run of stage 1 with a pytest that cannot collect (an unknown marker selects nothing: exit 5).
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *gpu_smoke*) exit 5;; esac\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(fake)}
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--stage", "1", str(out)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=900)  # fmt: skip
+    lines = step_lines((out / "summary.txt").read_text())
+    assert proc.returncode == 1
+    assert "FAILED(5)" in lines["gpu-smoke"]
+    assert " ok " in lines["bench-core"]  # the steps after a failure still run
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stage", "3", "x"], "--stage must be 1, 2 or all"),
+        (["--budget", "ten", "x"], "--budget must be whole seconds"),
+        (["--fast", "x"], "unknown option --fast"),
+        ([], "usage:"),
+    ],
+)
+def test_bad_options_are_refused(tmp_path, args, message):
+    proc = run_check(*args, cwd=tmp_path)
+    assert proc.returncode == 2 or (not args and proc.returncode != 0)
+    assert message in proc.stderr
+
+
+@needs_cpu
+def test_without_a_gpu_the_real_run_refuses(tmp_path):
+    proc = run_check(str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "no CUDA GPU visible" in proc.stdout
