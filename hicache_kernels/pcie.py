@@ -558,9 +558,9 @@ def theoretical_of(link: dict[str, Any]) -> float | None:
 
 def kernel_unavailable(device_index: int) -> str | None:
     """Why this package's kernel cannot run on the device, or None."""
-    from ._ext import extension_status, load_extension
+    from ._ext import cuda_runtime_status, load_extension
 
-    ok, reason = extension_status()
+    ok, reason = cuda_runtime_status()  # built, importable, and a driver new enough for its runtime
     if not ok:
         return reason
     try:

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from ._ext import BackendUnavailableError, load_extension
+from ._ext import BackendUnavailableError, cuda_runtime_status, load_extension
 from .plan import Side, TransferPlan
 
 # Filled by _import_triton(); the kernel resolves ``tl`` from this module's globals when it compiles.
@@ -372,15 +372,14 @@ _device_tables = DeviceTables(_upload_table)
 
 
 def _device_alias(host_ptr: int) -> int:
-    """Device address of pinned host memory: the extension's ``host_device_pointer`` when it is built
-    (the alias equals the host address under UVA on Linux x86, not everywhere, so ask), else the host
-    address itself. Not cached by address: a freed pinned buffer's address can come back as another
-    allocation's, and the query costs well under a microsecond."""
-    try:
-        fn = getattr(load_extension(), "host_device_pointer", None)
-    except BackendUnavailableError:
-        fn = None
-    return host_ptr if fn is None else int(fn(host_ptr))
+    """Device address of pinned host memory: the extension's ``host_device_pointer`` when it can run
+    (the alias equals the host address under UVA on Linux x86-64, not everywhere, so ask), else the
+    host address itself (no extension, or a driver older than its static runtime: torch, which runs,
+    relies on UVA there too). Not cached by address: a freed pinned buffer's address can come back as
+    another allocation's, and the query costs well under a microsecond."""
+    if not cuda_runtime_status()[0]:
+        return host_ptr
+    return int(load_extension().host_device_pointer(host_ptr))
 
 
 def _is_host(side: Side) -> bool:

@@ -450,3 +450,32 @@ def test_prepare_refuses_an_unavailable_backend_before_any_work(monkeypatch):
     monkeypatch.setattr(backends, "plan_fragments", lambda p: pytest.fail("planned for a backend that cannot run"))
     with pytest.raises(BackendUnavailableError, match="io-backend 'kernel'"):
         get_backend("kernel").prepare(plan)
+
+
+# ---------------------------------------------------------------------------------------------- old drivers elsewhere
+@needs_extension
+def test_triton_host_alias_asks_the_extension_only_when_its_runtime_can_run(monkeypatch):
+    from hicache_kernels import triton_transfer
+
+    asked = []
+
+    class Ext:
+        @staticmethod
+        def host_device_pointer(p: int) -> int:
+            asked.append(p)
+            return p + 1
+
+    monkeypatch.setattr(triton_transfer, "load_extension", lambda: Ext)
+    monkeypatch.setattr(_ext, "driver_version", lambda: 12040)  # too old for the CUDA 13 runtime
+    assert triton_transfer._device_alias(4096) == 4096 and asked == []  # UVA: the host address, no call
+    monkeypatch.setattr(_ext, "driver_version", lambda: 13000)
+    assert triton_transfer._device_alias(4096) == 4097 and asked == [4096]
+
+
+@needs_extension
+def test_pcie_says_the_driver_is_too_old_for_the_kernel(monkeypatch):
+    from hicache_kernels import pcie
+
+    monkeypatch.setattr(_ext, "driver_version", lambda: 12040)
+    reason = pcie.kernel_unavailable(0)
+    assert reason is not None and "12.4" in reason and "older than" in reason
