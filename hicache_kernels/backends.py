@@ -453,6 +453,8 @@ def get_backend(name: str | IOBackend, **options: Any) -> IOBackend:
         if options:
             raise ValueError("options: cannot be combined with a backend instance")
         return name
+    if not isinstance(name, str):  # before the lookup: an unhashable name would raise an unrelated TypeError
+        raise TypeError(f"backend: expected a backend name (str) or an IOBackend, got {type(name).__name__}")
     if name not in _FACTORIES:
         raise ValueError(f"backend: expected one of {', '.join(_FACTORIES)}, got {name!r}")
     if options:

@@ -10,24 +10,34 @@ Shapes (see :mod:`hicache_kernels.layouts` for the host layouts)
   device pool is on a GPU and the backend reads it directly (``kernel``, ``triton``).
 - ``device_indices`` / ``host_indices``: 1-D ``torch.int64`` token-slot indices (not pages, not
   bytes) of equal length; pair ``i`` moves device slot ``device_indices[i]`` to or from host slot
-  ``host_indices[i]``. Destination indices must not repeat (a repeated destination is a race).
+  ``host_indices[i]``. Destination slots (``host_indices`` for a backup, ``device_indices`` for a
+  load) must not repeat: two pairs writing one slot race on a GPU. Two slots of one page are two
+  slots; only the same token slot twice is a repeat.
+- Integer arguments (``layer_id``, ``page_size``) take a Python int or a numpy integer; ``bool``,
+  floats and tensors are refused with ``TypeError``.
 - dtypes: float16, bfloat16, float32, float8_e4m3fn, float8_e5m2, uint8; device and host pools share
   it. Items of any size move bit-exactly.
 
 Index checking
 --------------
 With ``check_indices=True`` (the default) every index is checked against its pool before anything is
-touched, and a bad one raises ``IndexError`` with the destination unchanged. For CUDA indices this
-costs one device-to-host synchronisation. ``check_indices=False`` is the fast mode (no sync, and the
-mode to use under CUDA-graph capture): the kernels still skip any out-of-range pair, so nothing outside
-the pools is ever read or written, but a bad pair is silently not copied.
+touched: an out-of-range one raises ``IndexError`` and a repeated destination slot ``ValueError``, with
+the destination unchanged. For CUDA indices both checks together cost one device-to-host
+synchronisation (the destination indices are sorted on the device, and their minimum, maximum and
+first repeat come back with the source's minimum and maximum in one transfer).
+``check_indices=False`` is the fast mode (no sync, and the mode to use under CUDA-graph capture): the
+kernels still skip any out-of-range pair, so nothing outside the pools is ever read or written, but a
+bad pair is silently not copied, and repeated destination slots are not detected: which of the
+competing sources lands in such a slot is undefined (a race).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import layouts
@@ -46,6 +56,29 @@ SUPPORTED_DTYPES = (
 DevicePool = torch.Tensor | Sequence[torch.Tensor]
 
 
+def int_arg(value: Any, name: str) -> int:
+    """``value`` as an int with :func:`operator.index` semantics (numpy integers accepted).
+
+    ``bool`` (an int subclass, almost always a mistake here), floats, tensors (a CUDA one would sync)
+    and anything else without ``__index__`` raise ``TypeError`` naming ``name``.
+    """
+    if type(value) is int:
+        return value
+    if isinstance(value, (bool, np.bool_, torch.Tensor)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}") from None
+
+
+def check_memory(t: torch.Tensor, name: str) -> None:
+    """Pools must live in memory the backends can address: the CPU or a CUDA device."""
+    if t.device.type not in ("cpu", "cuda"):
+        why = " (meta tensors hold no memory)" if t.device.type == "meta" else ""
+        raise ValueError(f"{name}: expected a tensor on the CPU or a CUDA device, got one on {t.device}{why}")
+
+
 def _layers(pool: DevicePool, name: str) -> list[torch.Tensor]:
     """Per-layer ``[N, H, D]`` tensors of a stacked ``[L, N, H, D]`` tensor or a list, validated."""
     if isinstance(pool, torch.Tensor):
@@ -53,6 +86,8 @@ def _layers(pool: DevicePool, name: str) -> list[torch.Tensor]:
             raise ValueError(
                 f"{name}: expected a stacked [L, N, H, D] tensor or a list of [N, H, D], got {pool.dim()}-D"
             )
+        if pool.shape[0] == 0:
+            raise ValueError(f"{name}: expected at least one layer, got shape {tuple(pool.shape)}")
         if not pool.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor (strides {tuple(pool.stride())})")
         layers = list(pool.unbind(0))
@@ -80,6 +115,9 @@ def _layers(pool: DevicePool, name: str) -> list[torch.Tensor]:
     if first.dtype not in SUPPORTED_DTYPES:
         supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise TypeError(f"{name}: dtype {first.dtype} is not supported; expected one of {supported}")
+    check_memory(first, name)  # every layer is on first's device (checked above)
+    if first.numel() == 0:
+        raise ValueError(f"{name}: expected N, H and D all positive, got layers of shape {tuple(first.shape)}")
     return layers
 
 
@@ -95,21 +133,41 @@ def _check_index(t: Any, name: str, pool_device: torch.device) -> torch.Tensor:
     return t
 
 
-def _check_range(dev_idx: torch.Tensor, n_dev: int, host_idx: torch.Tensor, n_host: int) -> None:
+def _index_stats(idx: torch.Tensor, is_dst: bool) -> torch.Tensor:
+    """``[min, max]`` of ``idx`` on its device, without a sync; for a destination with at least two
+    indices also ``[has_repeat, a repeated slot]``, found by sorting and comparing neighbours."""
+    if not is_dst or idx.numel() < 2:
+        lo, hi = torch.aminmax(idx)
+        return torch.stack([lo, hi])
+    s = torch.sort(idx).values
+    same = s[1:] == s[:-1]
+    first = same.to(torch.uint8).argmax().view(1)  # index_select: s[t] with a 0-dim t may read t on the host
+    return torch.cat([s[:1], s[-1:], same.any().view(1).to(torch.int64), s[1:].index_select(0, first)])
+
+
+def _check_indices(direction: str, dev_idx: torch.Tensor, n_dev: int, host_idx: torch.Tensor, n_host: int) -> None:
+    """IndexError for a slot outside its pool, ValueError for a repeated destination slot; at most one
+    device-to-host transfer (one sync for CUDA indices), whatever the index devices."""
     if dev_idx.numel() == 0:
         return
-    if dev_idx.device == host_idx.device:
-        # One reduction and one transfer to the host: a single sync for CUDA indices.
-        lo_hi = torch.stack([dev_idx.min(), dev_idx.max(), host_idx.min(), host_idx.max()]).tolist()
-    else:
-        lo_hi = [int(dev_idx.min()), int(dev_idx.max()), int(host_idx.min()), int(host_idx.max())]
-    for name, lo, hi, n in (
-        ("device_indices", lo_hi[0], lo_hi[1], n_dev),
-        ("host_indices", lo_hi[2], lo_hi[3], n_host),
-    ):
+    d2h = direction == "d2h"
+    sides = (("device_indices", dev_idx, n_dev, not d2h), ("host_indices", host_idx, n_host, d2h))
+    stats = [_index_stats(idx, is_dst) for _, idx, _, is_dst in sides]
+    if stats[0].device == stats[1].device:
+        values = torch.cat(stats).tolist()  # the single sync for CUDA indices
+    else:  # one side on the CPU: only the other one syncs
+        values = stats[0].tolist() + stats[1].tolist()
+    parts = (values[: stats[0].numel()], values[stats[0].numel() :])
+    for (name, _, n, _), (lo, hi, *_) in zip(sides, parts, strict=True):
         if lo < 0 or hi >= n:
             bad = lo if lo < 0 else hi
             raise IndexError(f"{name}: index {bad} is outside the pool's {n} slots [0, {n})")
+    for (name, _, _, is_dst), (_, _, *repeat) in zip(sides, parts, strict=True):
+        if is_dst and repeat and repeat[0]:
+            raise ValueError(
+                f"{name}: destination slot {repeat[1]} appears more than once; the slots a "
+                f"{'backup' if d2h else 'load'} writes must be distinct (a repeated destination is a race)"
+            )
 
 
 def _host_slots(host: torch.Tensor, layout: str, mla: bool, num_layers: int, page_size: int, H: int, D: int) -> int:
@@ -150,13 +208,15 @@ def build_plan(
     """Validate a transfer and describe it in bytes (:class:`~hicache_kernels.plan.TransferPlan`).
 
     ``direction`` is ``"d2h"`` (backup) or ``"h2d"`` (load); ``layer_id`` None moves every layer.
-    Raises ``TypeError``/``ValueError`` naming the argument for a malformed input and ``IndexError``
-    for an out-of-range index (when ``check_indices``), before any memory is touched.
+    Raises ``TypeError``/``ValueError`` naming the argument for a malformed input, and (when
+    ``check_indices``) ``IndexError`` for an out-of-range index and ``ValueError`` for a repeated
+    destination slot, before any memory is touched.
     """
     if direction not in ("d2h", "h2d"):
         raise ValueError(f"direction: expected 'd2h' or 'h2d', got {direction!r}")
     mla = device_v is None
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+    page_size = int_arg(page_size, "page_size")
+    if page_size < 1:
         raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
     if not isinstance(layout, str):
         raise TypeError(f"layout: expected a str, got {type(layout).__name__}")
@@ -188,7 +248,8 @@ def build_plan(
         raise ValueError(f"host: expected a contiguous tensor (strides {tuple(host.stride())})")
     n_host = _host_slots(host, layout, mla, L, page_size, H, D)
     if layer_id is not None:
-        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or not 0 <= layer_id < L:
+        layer_id = int_arg(layer_id, "layer_id")
+        if not 0 <= layer_id < L:
             raise ValueError(f"layer_id: expected an int in [0, {L}), got {layer_id!r}")
     dev_idx = _check_index(device_indices, "device_indices", dev)
     host_idx = _check_index(host_indices, "host_indices", dev)
@@ -197,7 +258,7 @@ def build_plan(
             f"host_indices: expected as many indices as device_indices ({dev_idx.numel()}), got {host_idx.numel()}"
         )
     if check_indices:
-        _check_range(dev_idx, n_dev, host_idx, n_host)
+        _check_indices(direction, dev_idx, n_dev, host_idx, n_host)
     elem = dtype.itemsize
     geom = layouts.host_geometry(
         layout, mla=mla, num_layers=L, num_slots=n_host, page_size=page_size, head_num=H, head_dim=D, elem_bytes=elem
@@ -245,9 +306,16 @@ def transfer(
     Under ``torch.compile`` it dispatches to the custom ops ``hicache_kernels::backup`` /
     ``hicache_kernels::load`` so the mutation is visible to the compiler.
     """
+    if not isinstance(backend, (str, IOBackend)):
+        raise TypeError(f"backend: expected a backend name (str) or an IOBackend, got {type(backend).__name__}")
     if torch.compiler.is_compiling():
         if stream is not None:
             raise ValueError("stream: not supported under torch.compile; the current stream is used")
+        page_size = int_arg(page_size, "page_size")
+        if layer_id is not None:
+            layer_id = int_arg(layer_id, "layer_id")
+            if layer_id < 0:  # -1 is the op's "every layer"; the upper bound is checked inside the op
+                raise ValueError(f"layer_id: expected a non-negative int, got {layer_id}")
         op = torch.ops.hicache_kernels.backup if direction == "d2h" else torch.ops.hicache_kernels.load
         op(
             _as_list(device_k), [] if device_v is None else _as_list(device_v), host, device_indices, host_indices,
@@ -284,17 +352,19 @@ def backup_layer(
     host : host pool in ``layout`` (:func:`hicache_kernels.layouts.host_shape`), same dtype; pinned for
         the zero-copy backends. Written in place: only the named slots of layer ``layer_id`` change.
     device_indices, host_indices : 1-D ``torch.int64`` token-slot indices, equal length, on the CPU or
-        the pool's GPU; ``host_indices`` must not repeat.
-    layer_id : the layer to copy, in ``[0, L)``.
+        the pool's GPU; ``host_indices`` (the destination) must not repeat.
+    layer_id : the layer to copy, an int (or numpy integer) in ``[0, L)``; never None.
     layout : ``"layer_first"``, ``"page_first"``, ``"page_first_direct"`` or ``"page_head"`` (MHA only).
-    page_size : tokens per page (>= 1); ``N_host`` must be a multiple of it.
+    page_size : tokens per page, an int (or numpy integer) >= 1; ``N_host`` must be a multiple of it.
     backend : ``"auto"`` (default), ``"kernel"``, ``"triton"``, ``"batch"``, ``"direct"`` or an
         :class:`~hicache_kernels.backends.IOBackend` instance.
     stream : a ``torch.cuda.Stream`` to run on; default the current stream. The host is never
         synchronised except to check indices (``check_indices``) or to plan copy-engine fragments from
         CUDA indices.
-    check_indices : raise ``IndexError`` before touching memory if an index is out of range (default).
-        ``False`` skips the check (no sync); out-of-range pairs are then skipped, never copied.
+    check_indices : before touching memory, raise ``IndexError`` if an index is out of range and
+        ``ValueError`` if a destination slot repeats (default; one sync for CUDA indices). ``False``
+        skips both checks (no sync): out-of-range pairs are then skipped, never copied, and repeated
+        destination slots are not detected (the result in such a slot is undefined, a race).
 
     Examples
     --------
@@ -308,6 +378,7 @@ def backup_layer(
     >>> torch.equal(host[0, :3, 1], k[1, idx])
     True
     """
+    _one_layer(layer_id, "backup")
     transfer(
         "d2h", device_k, device_v, host, device_indices, host_indices, layout=layout, page_size=page_size,
         layer_id=layer_id, backend=backend, stream=stream, check_indices=check_indices,
@@ -374,6 +445,7 @@ def load_layer(
     >>> torch.equal(v[0, 5], host[1, 0, 7])
     True
     """
+    _one_layer(layer_id, "load")
     transfer(
         "h2d", device_k, device_v, host, device_indices, host_indices, layout=layout, page_size=page_size,
         layer_id=layer_id, backend=backend, stream=stream, check_indices=check_indices,
@@ -398,6 +470,12 @@ def load_all_layers(
         "h2d", device_k, device_v, host, device_indices, host_indices, layout=layout, page_size=page_size,
         backend=backend, stream=stream, check_indices=check_indices,
     )  # fmt: skip
+
+
+def _one_layer(layer_id: Any, verb: str) -> None:
+    # transfer() reads layer_id=None as "every layer": the per-layer ops must not pass it through.
+    if layer_id is None:
+        raise TypeError(f"layer_id: {verb}_layer moves one layer and needs an int, got None (use {verb}_all_layers)")
 
 
 def _as_list(pool: DevicePool) -> list[torch.Tensor]:
@@ -430,7 +508,7 @@ def _custom_op_body(direction: str):
         plan = build_plan(
             direction, _from_list(device_k), _from_list(device_v) if device_v else None, host,
             device_indices, host_indices, layout=layout, page_size=page_size,
-            layer_id=None if layer_id < 0 else layer_id, check_indices=check_indices,
+            layer_id=None if layer_id == -1 else layer_id, check_indices=check_indices,
         )  # fmt: skip
         get_backend(backend).run(plan)
 

@@ -479,3 +479,9 @@ def test_pcie_says_the_driver_is_too_old_for_the_kernel(monkeypatch):
     monkeypatch.setattr(_ext, "driver_version", lambda: 12040)
     reason = pcie.kernel_unavailable(0)
     assert reason is not None and "12.4" in reason and "older than" in reason
+
+
+@pytest.mark.parametrize("name", [["kernel"], {"kernel": 1}, None, 3])
+def test_get_backend_names_its_argument(name):
+    with pytest.raises(TypeError, match="backend: expected a backend name"):
+        get_backend(name)

@@ -6,10 +6,11 @@ CUDA kernels. Expected results come from the package reference on the equivalent
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from hicache_kernels import layouts
+from hicache_kernels import BackendUnavailableError, layouts
 from hicache_kernels.compat import sgl_kernel as sk
 from hicache_kernels.reference import reference_transfer
 
@@ -168,8 +169,17 @@ def test_transfer_kv_direct_merges_runs():
     exp = [t.clone() for t in dst]
     for e, s in zip(exp, src, strict=True):
         e[di] = s[si]
-    sk.transfer_kv_direct(src, dst, si, di, 4)
+    sk.transfer_kv_direct(src, dst, si, di, np.int64(2))  # 6 indices: whole pages of 2
     assert all(same_bytes(a, b) for a, b in zip(dst, exp, strict=True))
+
+
+def test_transfer_kv_direct_needs_whole_pages():
+    """sgl-kernel refuses an index count that is not a multiple of page_size; so must we, unwritten."""
+    src, dst = device_layers(seed=12), device_layers(fill="poison", seed=1)
+    before = [t.clone() for t in dst]
+    with pytest.raises(ValueError, match="src_indices: expected whole pages, a multiple of page_size 4 indices, got 6"):
+        sk.transfer_kv_direct(src, dst, torch.arange(4, 10), torch.arange(6), 4)
+    assert all(same_bytes(a, b) for a, b in zip(dst, before, strict=True))
 
 
 def test_out_of_range_index_is_skipped_with_tensors():
@@ -199,3 +209,177 @@ def test_bad_arguments(call, exc, fragment):
     k, v = device_layers()[0], device_layers()[0]
     with pytest.raises(exc, match=fragment):
         call(k, v, torch.arange(3))
+
+
+def page_idx(seed, pages=2):
+    """Whole pages: runs of PAGE consecutive device slots (not page-aligned: sgl-kernel does not ask
+    that of the layer-first side) paired with whole host pages."""
+    g = gen(seed)
+    hp = torch.randperm(N_HOST // PAGE, generator=g)[:pages]
+    dp = torch.randperm(N_DEV // PAGE - 1, generator=g)[:pages] * PAGE + 1
+    off = torch.arange(PAGE)
+    return (dp[:, None] + off).reshape(-1), (hp[:, None] * PAGE + off).reshape(-1)
+
+
+def kv_lists(k, v, host, layers):
+    """sgl-kernel's direct-function lists: device layers K then V, host buffers [host_k, host_v]."""
+    dev = [k[i] for i in layers] + ([] if v is None else [v[i] for i in layers])
+    return dev, [host] if v is None else [host[0], host[1]]
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_all_layer_direct_lf_pf(mla):
+    k, v = device_layers(mla=mla, seed=3), None if mla else device_layers(seed=4)
+    host = host_pool("page_first_direct", mla=mla, fill="poison")
+    d_idx, h_idx = page_idx(seed=5)
+    exp = expect("d2h", k, v, host, d_idx, h_idx, "page_first_direct", range(L))
+    src, dst = kv_lists(k, v, host, range(L))
+    sk.transfer_kv_all_layer_direct_lf_pf(src, dst, d_idx, h_idx, PAGE)
+    check(k, v, host, exp)
+
+
+@pytest.mark.parametrize(
+    ("mla", "layers"),
+    [(False, [2]), (False, [1, 2]), (True, [0]), (True, [0, 1])],
+    ids=["mha-one", "mha-two", "mla-one", "mla-two"],
+)
+def test_per_layer_direct_pf_lf(mla, layers):
+    """Host layers layer_id .. layer_id + n - 1 into the n given device layers per K/V; the others stay
+    poisoned (every layer and K/V has its own poison byte)."""
+    k, v = device_layers(mla=mla, fill="poison", seed=1), None if mla else device_layers(fill="poison", seed=2)
+    host = host_pool("page_first_direct", mla=mla)
+    d_idx, h_idx = page_idx(seed=6, pages=3)
+    exp = expect("h2d", k, v, host, d_idx, h_idx, "page_first_direct", layers)
+    dst, src = kv_lists(k, v, host, layers)
+    layer_id = np.int64(layers[0]) if mla else layers[0]  # numpy integers work like ints
+    sk.transfer_kv_per_layer_direct_pf_lf(src, dst, h_idx, d_idx, layer_id, PAGE)
+    check(k, v, host, exp)
+
+
+def test_direct_round_trip_through_page_first_direct():
+    k, v = device_layers(seed=7), device_layers(seed=8)
+    host = host_pool("page_first_direct", fill="poison")
+    d_idx, h_idx = page_idx(seed=9)
+    src, dst = kv_lists(k, v, host, range(L))
+    sk.transfer_kv_all_layer_direct_lf_pf(src, dst, d_idx, h_idx, PAGE)
+    back_k, back_v = device_layers(fill="poison", seed=5), device_layers(fill="poison", seed=6)
+    for layer in range(L):
+        sk.transfer_kv_per_layer_direct_pf_lf(dst, [back_k[layer], back_v[layer]], h_idx, d_idx, layer, PAGE)
+    for a, b in zip(back_k + back_v, k + v, strict=True):
+        assert same_bytes(a[d_idx], b[d_idx])
+
+
+def _lf_pf(k, v, host, d_idx, h_idx, page=PAGE):
+    src, dst = kv_lists(k, v, host, range(len(k)))
+    sk.transfer_kv_all_layer_direct_lf_pf(src, dst, d_idx, h_idx, page)
+
+
+def _pf_lf(k, v, host, d_idx, h_idx, layer_id=0, dst=None):
+    src = [host[0], host[1]]
+    sk.transfer_kv_per_layer_direct_pf_lf(src, dst or [k[0], v[0]], h_idx, d_idx, layer_id, PAGE)
+
+
+DIRECT_BAD = [
+    # (id, call, exception, message pattern); calls get (k, v, host, d_idx, h_idx) and write host or k/v
+    (
+        "lf-pf-partial-page",
+        lambda k, v, h, d, i: _lf_pf(k, v, h, d[:6], i[:6]),
+        ValueError,
+        "src_indices: .* page_size 4",
+    ),
+    ("lf-pf-page-size", lambda k, v, h, d, i: _lf_pf(k, v, h, d, i, page=2), ValueError, "page_size: 2 differs"),
+    ("lf-pf-page-size-bool", lambda k, v, h, d, i: _lf_pf(k, v, h, d, i, page=True), TypeError, "page_size"),
+    (
+        "lf-pf-three-host-buffers",
+        lambda k, v, h, d, i: sk.transfer_kv_all_layer_direct_lf_pf(k + v, [h[0], h[1], h[0]], d, i, PAGE),
+        ValueError,
+        "dst_ptrs: expected 1 or 2",
+    ),
+    (
+        "lf-pf-odd-layer-count",
+        lambda k, v, h, d, i: sk.transfer_kv_all_layer_direct_lf_pf(k + v[:2], [h[0], h[1]], d, i, PAGE),
+        ValueError,
+        "src_ptrs: expected K layers then V layers",
+    ),
+    (
+        "lf-pf-more-layers-than-host",
+        lambda k, v, h, d, i: sk.transfer_kv_all_layer_direct_lf_pf(k + k[:1] + v + v[:1], [h[0], h[1]], d, i, PAGE),
+        ValueError,
+        "src_ptrs: 4 layers per K/V, more than the 3 layers",
+    ),
+    (
+        "lf-pf-item-shape",
+        lambda k, v, h, d, i: _lf_pf([t[:, :1].contiguous() for t in k], [t[:, :1].contiguous() for t in v], h, d, i),
+        ValueError,
+        r"src_ptrs\[0\]: expected \[N, 2, 6\]",
+    ),
+    (
+        "lf-pf-dtype",
+        lambda k, v, h, d, i: _lf_pf([t.view(torch.bfloat16) for t in k], [t.view(torch.bfloat16) for t in v], h, d, i),
+        TypeError,
+        "src_ptrs: dtype torch.bfloat16",
+    ),
+    (
+        "lf-pf-meta",
+        lambda k, v, h, d, i: _lf_pf([t.to("meta") for t in k], [t.to("meta") for t in v], h, d, i),
+        ValueError,
+        r"src_ptrs\[0\]: .*meta tensors hold no memory",
+    ),
+    ("pf-lf-layer-range", lambda k, v, h, d, i: _pf_lf(k, v, h, d, i, layer_id=L), ValueError, r"layer_id: .*\[0, 3\)"),
+    ("pf-lf-layer-neg", lambda k, v, h, d, i: _pf_lf(k, v, h, d, i, layer_id=-1), ValueError, "layer_id"),
+    (
+        "pf-lf-two-layers-from-last",
+        lambda k, v, h, d, i: _pf_lf(k, v, h, d, i, layer_id=L - 1, dst=[k[0], k[1], v[0], v[1]]),
+        ValueError,
+        r"layer_id: expected an int in \[0, 2\) for 2 layer",
+    ),
+    ("pf-lf-layer-float", lambda k, v, h, d, i: _pf_lf(k, v, h, d, i, layer_id=1.0), TypeError, "layer_id"),
+    ("pf-lf-layer-none", lambda k, v, h, d, i: _pf_lf(k, v, h, d, i, layer_id=None), TypeError, "layer_id"),
+    ("pf-lf-partial-page", lambda k, v, h, d, i: _pf_lf(k, v, h, d[:5], i[:5]), ValueError, "src_indices"),
+    ("pf-lf-k-without-v", lambda k, v, h, d, i: _pf_lf(k, v, h, d, i, dst=[k[0]]), ValueError, "dst_ptrs: expected K"),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "pattern"), [b[1:] for b in DIRECT_BAD], ids=[b[0] for b in DIRECT_BAD])
+def test_direct_functions_refuse_bad_arguments(call, exc, pattern):
+    k, v = device_layers(seed=1), device_layers(seed=2)
+    host = host_pool("page_first_direct")
+    d_idx, h_idx = page_idx(seed=3)
+    before = [t.clone() for t in (*k, *v, host)]
+    with pytest.raises(exc, match=pattern):
+        call(k, v, host, d_idx, h_idx)
+    assert all(same_bytes(a, b) for a, b in zip((*k, *v, host), before, strict=True)), "a rejected call wrote"
+
+
+@pytest.mark.parametrize("backend", ["direct", "batch", "auto", "kernel"])
+def test_pointer_tables_on_cpu_need_triton(backend):
+    """The *_layers functions on CPU tensors: only triton can follow a raw pointer table there; the
+    others raise a clear BackendUnavailableError (they used to fail with an unrelated IndexError)."""
+    k = [t.cpu() for t in device_layers(seed=3)]
+    v = [t.cpu() for t in device_layers(seed=4)]
+    host = host_pool("page_first", fill="poison").cpu()
+    before = host.clone()
+    d_idx, h_idx = idx(seed=2)
+
+    def cpu_table(layers):
+        return torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+
+    sk.use_backend(backend)
+    with pytest.raises(BackendUnavailableError, match=rf"io-backend '{backend}': pointer tables .* only on the triton"):
+        sk.transfer_kv_all_layer_lf_pf(cpu_table(k), host[0], cpu_table(v), host[1], d_idx, h_idx, ITEM, L * ITEM, L)
+    assert same_bytes(host, before)
+
+
+def test_meta_tensors_are_refused():
+    """A meta tensor used to crash the process on the triton backend (it has no memory to address)."""
+    k, v = device_layers(seed=1)[0], device_layers(seed=2)[0]
+    meta = torch.empty_like(k, device="meta")
+    with pytest.raises(ValueError, match=r"dst_k: .* on meta \(meta tensors hold no memory\)"):
+        sk.transfer_kv_per_layer(k, meta, v, meta, torch.arange(3), torch.arange(3), ITEM)
+    with pytest.raises(ValueError, match=r"src: .* meta"):
+        sk.transfer_kv_per_layer_mla(meta, k, torch.arange(3), torch.arange(3), ITEM)
+
+
+def test_use_backend_names_its_argument():
+    with pytest.raises(TypeError, match="name: expected a backend name"):
+        sk.use_backend(["triton"])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
 from hicache_kernels import BackendUnavailableError, ops
 
-from kvdata import make_pools
+from kvdata import expected_after, make_pools
 
 
 def base_args(direction="d2h", layout="page_first", mla=False, page_size=4):
@@ -32,18 +35,39 @@ def noncontig_stacked(args):
     return k.transpose(2, 3).contiguous().transpose(2, 3)
 
 
+def both(fn):
+    """Changes applying ``fn`` to device_k and device_v."""
+    return {"device_k": lambda a: fn(a["device_k"]), "device_v": lambda a: fn(a["device_v"])}
+
+
 BAD = [
     # (id, changes, exception, message fragments)
     ("direction", {"direction": "up"}, ValueError, ["direction", "'up'"]),
     ("layout-unknown", {"layout": "head_first"}, ValueError, ["layout", "head_first"]),
     ("layout-type", {"layout": 3}, TypeError, ["layout"]),
     ("page-size-zero", {"page_size": 0}, ValueError, ["page_size", "0"]),
-    ("page-size-bool", {"page_size": True}, ValueError, ["page_size"]),
-    ("page-size-float", {"page_size": 4.0}, ValueError, ["page_size"]),
+    ("page-size-bool", {"page_size": True}, TypeError, ["page_size", "bool"]),
+    ("page-size-float", {"page_size": 4.0}, TypeError, ["page_size", "float"]),
+    ("page-size-np-float", {"page_size": np.float64(4.0)}, TypeError, ["page_size", "float64"]),
+    ("page-size-np-bool", {"page_size": np.bool_(True)}, TypeError, ["page_size", "bool"]),
+    ("page-size-tensor", {"page_size": torch.tensor(4)}, TypeError, ["page_size", "Tensor"]),
+    ("page-size-np-zero", {"page_size": np.int64(0)}, ValueError, ["page_size", "0"]),
     ("page-size-mismatch", {"page_size": 3}, ValueError, ["host", "page_size 3"]),
     ("device-k-3d", {"device_k": lambda a: a["device_k"][0]}, ValueError, ["device_k", "3-D"]),
     ("device-k-type", {"device_k": lambda a: a["device_k"].numpy()}, TypeError, ["device_k", "ndarray"]),
     ("device-k-empty", {"device_k": []}, ValueError, ["device_k", "empty"]),
+    ("device-k-no-layers", {"device_k": lambda a: a["device_k"][:0]}, ValueError, ["device_k", "at least one layer"]),
+    # Both pools emptied or moved alike, so the error must come from the pool itself, not a K/V mismatch.
+    ("pools-no-slots", both(lambda t: t[:, :0]), ValueError, ["device_k", "all positive", "(0, 2, 8)"]),
+    ("pools-no-heads", both(lambda t: t[:, :, :0]), ValueError, ["device_k", "all positive", "(16, 0, 8)"]),
+    ("pools-head-dim-0", both(lambda t: t[..., :0]), ValueError, ["device_k", "all positive", "(16, 2, 0)"]),
+    ("pools-meta", both(lambda t: t.to("meta")), ValueError, ["device_k", "meta tensors hold no memory"]),
+    (
+        "pools-meta-lists",
+        both(lambda t: [x.to("meta") for x in t]),
+        ValueError,
+        ["device_k", "meta tensors hold no memory"],
+    ),
     ("device-k-noncontig", {"device_k": noncontig_stacked}, ValueError, ["device_k", "contiguous"]),
     ("device-k-int32", {"device_k": lambda a: a["device_k"].to(torch.int32)}, TypeError, ["device_k", "int32"]),
     (
@@ -79,7 +103,13 @@ BAD = [
     ("idx-host-range", {"host_indices": torch.tensor([4, 5, 8])}, IndexError, ["host_indices", "8", "8 slots"]),
     ("layer-id", {"layer_id": 3}, ValueError, ["layer_id", "[0, 3)", "3"]),
     ("layer-id-neg", {"layer_id": -1}, ValueError, ["layer_id"]),
+    ("layer-id-np-range", {"layer_id": np.int32(3)}, ValueError, ["layer_id", "[0, 3)"]),
+    ("layer-id-bool", {"layer_id": False}, TypeError, ["layer_id", "bool"]),
+    ("layer-id-float", {"layer_id": 1.0}, TypeError, ["layer_id", "float"]),
+    ("layer-id-str", {"layer_id": "1"}, TypeError, ["layer_id", "str"]),
     ("backend-name", {"backend": "dma"}, ValueError, ["backend", "dma"]),
+    ("backend-unhashable", {"backend": ["direct"]}, TypeError, ["backend", "list"]),
+    ("backend-none", {"backend": None}, TypeError, ["backend", "NoneType"]),
     ("kernel-on-cpu", {"backend": "kernel"}, BackendUnavailableError, ["kernel"]),
 ]
 
@@ -131,3 +161,139 @@ def test_kernel_backend_options_are_checked():
         get_backend("kernel", warps_per_block=33)
     with pytest.raises(ValueError, match="options"):
         get_backend(get_backend("direct"), num_blocks=1)
+
+
+# A pool on the meta device used to segfault the process on the triton backend (it read address 0)
+# and fail with an unrelated RuntimeError on the others.
+@pytest.mark.parametrize("backend", ["triton", "direct", "batch", "auto"])
+def test_meta_pool_is_refused_on_every_backend(backend):
+    pools, args = base_args()
+    before = pools.clone()
+    args.update(backend=backend, device_k=pools.device_k.to("meta"), device_v=pools.device_v.to("meta"))
+    with pytest.raises(ValueError, match=r"device_k: .* on meta \(meta tensors hold no memory\)"):
+        call(args)
+    assert pools.equal(before)
+
+
+INTS = [np.int64, np.int32, np.uint8, int]
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("as_int", INTS, ids=[t.__name__ for t in INTS])
+def test_numpy_integers_work_like_ints(direction, as_int):
+    pools, args = base_args(direction)
+    d_idx, h_idx = args["device_indices"], args["host_indices"]
+    exp = expected_after(pools, direction, d_idx, h_idx, layer_id=1)
+    args.update(layer_id=as_int(1), page_size=as_int(4))
+    call(args)
+    assert pools.equal(exp)
+
+
+@pytest.mark.parametrize("name", ["backup_layer", "load_layer"])
+def test_per_layer_ops_refuse_layer_id_none(name):
+    """transfer() reads layer_id=None as every layer; the per-layer ops used to pass it through."""
+    pools, args = base_args("d2h" if name.startswith("backup") else "h2d")
+    before = pools.clone()
+    fn = getattr(ops, name)
+    with pytest.raises(TypeError, match=rf"layer_id: {name} moves one layer .* None"):
+        fn(pools.device_k, pools.device_v, pools.host, args["device_indices"], args["host_indices"],
+           layer_id=None, layout="page_first", page_size=4, backend="direct")  # fmt: skip
+    assert pools.equal(before)
+
+
+# Destination slots: host_indices for a backup (d2h), device_indices for a load (h2d).
+DUPS = [
+    # (id, destination slots, the repeated slot named in the error)
+    ("adjacent", [4, 4, 5], 4),
+    ("apart", [7, 5, 6, 7], 7),
+    ("three", [6, 6, 6], 6),
+    ("first-and-last", [0, 3, 2, 1, 0], 0),
+]
+
+
+@pytest.mark.parametrize("backend", ["direct", "triton"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize(("dst", "slot"), [d[1:] for d in DUPS], ids=[d[0] for d in DUPS])
+def test_repeated_destination_slot_is_refused(direction, dst, slot, backend):
+    pools, args = base_args(direction, layout="page_first_direct")
+    before = pools.clone()
+    src = torch.arange(1, 1 + len(dst))  # distinct, in range of either pool
+    d2h = direction == "d2h"
+    args.update(backend=backend, device_indices=src if d2h else torch.tensor(dst),
+                host_indices=torch.tensor(dst) if d2h else src)  # fmt: skip
+    name = "host_indices" if d2h else "device_indices"
+    with pytest.raises(ValueError, match=rf"{name}: destination slot {slot} appears more than once"):
+        call(args)
+    assert pools.equal(before), "a rejected call wrote to a pool"
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_repeated_source_slots_and_slots_of_one_page_are_fine(direction):
+    """Only a repeated destination token slot is a race: a source slot read twice, or several slots of
+    one page (page_first_direct, page 4), are valid and land like the reference says."""
+    pools, args = base_args(direction, layout="page_first_direct")
+    src, dst = torch.tensor([3, 3, 1, 3]), torch.tensor([4, 5, 6, 7])  # dst: the four slots of page 1
+    d_idx, h_idx = (src, dst) if direction == "d2h" else (dst, src)
+    exp = expected_after(pools, direction, d_idx, h_idx, layer_id=None)
+    args.update(device_indices=d_idx, host_indices=h_idx)
+    call(args)
+    assert pools.equal(exp)
+
+
+def test_out_of_range_is_reported_before_a_repeat():
+    pools, args = base_args()
+    args.update(host_indices=torch.tensor([4, 4, 8]))
+    with pytest.raises(IndexError, match="host_indices: index 8"):
+        call(args)
+
+
+def test_fast_mode_does_not_check_repeats():
+    """check_indices=False costs no sync and is documented not to look for repeats: no error, the
+    repeated slot holds one of its sources and every other slot is as the reference says."""
+    pools, args = base_args()
+    args.update(device_indices=torch.tensor([0, 1, 2]), host_indices=torch.tensor([4, 4, 5]), check_indices=False)
+    one = expected_after(pools, "d2h", torch.tensor([0, 2]), torch.tensor([4, 5]), layer_id=None)
+    other = expected_after(pools, "d2h", torch.tensor([1, 2]), torch.tensor([4, 5]), layer_id=None)
+    call(args)
+    assert pools.equal(one) or pools.equal(other)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["both-cuda", "device-cuda"])
+def test_range_and_repeat_checks_share_one_sync(where):
+    """CUDA indices: the range check and the repeat check together synchronise exactly once."""
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=4, direction="d2h",
+                       device_slots=16, host_pages=2, device="cuda", pin=True)  # fmt: skip
+    d_idx = torch.tensor([0, 1, 2], device="cuda")
+    h_idx = torch.tensor([4, 5, 6], device="cuda" if where == "both-cuda" else "cpu")
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            ops.build_plan("d2h", pools.device_k, pools.device_v, pools.host, d_idx, h_idx,
+                           layout="page_first", page_size=4)  # fmt: skip
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+@pytest.mark.parametrize(("layer_id", "exc"), [(-1, ValueError), (np.int64(-2), ValueError), (1.0, TypeError)])
+def test_layer_id_is_checked_under_torch_compile(layer_id, exc):
+    """The custom op reads layer_id -1 as "every layer": under torch.compile a negative layer_id used to
+    reach it and move every layer instead of being refused."""
+    pools, args = base_args()
+    before = pools.clone()
+    d_idx, h_idx = args["device_indices"], args["host_indices"]
+
+    def step(k, v, host):
+        ops.backup_layer(k, v, host, d_idx, h_idx, layer_id=layer_id, layout="page_first", page_size=4,
+                         backend="direct")  # fmt: skip
+        return host
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="layer_id") as info:
+        torch.compile(step, backend="aot_eager", fullgraph=True)(pools.device_k, pools.device_v, pools.host)
+    assert exc.__name__ in f"{type(info.value).__name__}: {info.value}"
+    assert pools.equal(before)
