@@ -23,18 +23,23 @@ the JSON says so (``link_theoretical_gbps: null``).
 
 Without a GPU it says so and runs the functional cross-check of the CPU-capable backends against
 the reference instead (no bandwidth is claimed).
+
+Arguments are checked before anything runs (:func:`check_args`), the memory the run would hold
+included (:func:`run_memory`); a bad one exits with status 2 and one line naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -57,6 +62,9 @@ ESTIMATE_US_PER_FRAGMENT = 2.0
 CORE_PAGE_SIZES = "1,4,16,64,128"
 CORE_LAYOUTS = "page_first_direct,layer_first"
 CORE_ESTIMATE_S = 16  # estimate_s() of the default --targets-core plan; tests/test_bench.py keeps it current
+# The GEMMs of --interference (n x n) and --overlap (the first of these at least 1.25x a layer's load).
+INTERFERENCE_GEMM_N = 8192
+OVERLAP_GEMM_NS = (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,11 @@ class ModelConfig:
     @property
     def num_kv(self) -> int:
         return 1 if self.mla else 2
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token slot of a pool: every layer, K and V."""
+        return self.num_kv * self.num_layers * self.item_bytes
 
 
 PRESETS = {
@@ -114,16 +127,64 @@ class PointSpec:
 
 
 def _csv_list(text: str, cast: Callable[[str], Any] = str) -> list[Any]:
-    return [cast(x) for x in text.split(",") if x.strip()]
+    return [cast(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def _names(flag: str, text: str, known: Sequence[str]) -> list[str]:
+    """A comma list of names from ``known``: ValueError naming ``flag`` for an empty list, an unknown
+    name or a repeat."""
+    names = _csv_list(text)
+    if not names:
+        raise ValueError(f"{flag}: empty; choose from {', '.join(known)}")
+    for name in names:
+        if name not in known:
+            raise ValueError(f"{flag}: unknown {name!r}; choose from {', '.join(known)}")
+    _no_repeats(flag, names)
+    return names
+
+
+def _counts(flag: str, text: str, *, allow_empty: bool = False) -> list[int]:
+    """A comma list of integers >= 1: ValueError naming ``flag`` for anything else (or a repeat)."""
+    values = []
+    for x in _csv_list(text):
+        try:
+            value = int(x)
+        except ValueError:
+            raise ValueError(f"{flag}: {x!r} is not an integer") from None
+        if value < 1:
+            raise ValueError(f"{flag}: expected integers >= 1, got {value}")
+        values.append(value)
+    if not values and not allow_empty:
+        raise ValueError(f"{flag}: empty; expected a comma list of integers >= 1")
+    _no_repeats(flag, values)
+    return values
+
+
+def _no_repeats(flag: str, values: list[Any]) -> None:
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise ValueError(f"{flag}: {v} is given twice")
+        seen.add(v)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (``prog: error: ...``) with exit status 2, without
+    the usage block that, for this many options, would bury the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hicache_kernels.bench", description=__doc__.splitlines()[0])
+    """The arguments, every one validated (:func:`check_args`); a bad one exits with status 2 and a
+    one-line message naming it."""
+    p = OneLineParser(prog="python -m hicache_kernels.bench", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3-8b", help=f"comma list of {', '.join(PRESETS)}, 'all', or 'custom'")
     p.add_argument("--layers", type=int, help="custom model: layers")
     p.add_argument("--kv-heads", type=int, help="custom model: KV heads (1 for MLA)")
     p.add_argument("--head-dim", type=int, help="custom model: head dim (kv_dim for MLA)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="custom model: dtype")
+    p.add_argument("--dtype", choices=list(DTYPES), help="custom model: dtype (default bfloat16)")
     p.add_argument("--mla", action="store_true", help="custom model: MLA (one latent vector per token)")
     p.add_argument("--page-sizes", default="1,4,16,64,128", help="comma list of tokens per page")
     p.add_argument("--tokens", type=int, default=4096, help="tokens moved per point (pages = tokens / page size)")
@@ -174,45 +235,90 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sm_budget, args.sm_sweep = targets.T1_MAX_SMS, ""
         args.repeats, args.warmup = min(args.repeats, 5), min(args.warmup, 2)
         args.interference = args.overlap = False
+    try:
+        check_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
+def check_args(args: argparse.Namespace) -> list[PointSpec]:
+    """Every argument, before anything runs: numbers in range, lists of known names, SM budgets within
+    the GPU's SMs, and the memory the run would hold (:func:`check_memory`). Returns the sweep's points;
+    ValueError naming the first bad argument."""
+    for flag, value, least in (("--tokens", args.tokens, 1), ("--repeats", args.repeats, 1),
+                               ("--warmup", args.warmup, 0), ("--sm-budget", args.sm_budget, 1)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{flag}: expected an integer >= {least}, got {value}")
+    if args.preset != "custom":
+        custom = [flag for flag, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads),
+                  ("--head-dim", args.head_dim), ("--dtype", args.dtype), ("--mla", args.mla or None))
+                  if value is not None]  # fmt: skip
+        if custom:
+            raise ValueError(f"{custom[0]}: describes a custom model; it needs --preset custom (got {args.preset})")
+    sms = gpu_sm_count()
+    for flag, budgets in (("--sm-budget", [args.sm_budget]), ("--sm-sweep", _counts("--sm-sweep", args.sm_sweep,
+                                                                                    allow_empty=True))):  # fmt: skip
+        over = [b for b in budgets if sms is not None and b > sms]
+        if over:
+            raise ValueError(f"{flag}: {over[0]} SMs, but this GPU has {sms}")
+    specs = plan_sweep(args)
+    backends = _names("--backends", args.backends, BACKENDS)
+    if args.tune_auto is not None and ("kernel" not in backends or not set(COPY_ENGINE_BACKENDS) & set(backends)):
+        raise ValueError(f"--tune-auto: compares the kernel with a copy engine: --backends needs kernel and direct "
+                         f"or batch, got {','.join(backends)}")  # fmt: skip
+    if args.plot and sms is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot: needs matplotlib, which is not installed (pip install matplotlib)")
+    check_memory(args, specs)
+    return specs
+
+
+def gpu_sm_count() -> int | None:
+    """The current GPU's SMs, or None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
 def models_from_args(args: argparse.Namespace) -> list[ModelConfig]:
+    """The models of ``--preset`` (ValueError naming the argument when one is unknown or incomplete)."""
     if args.preset == "custom":
         missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
         if missing:
-            raise SystemExit(f"--preset custom needs --{' --'.join(m.replace('_', '-') for m in missing)}")
-        return [ModelConfig("custom", args.layers, args.kv_heads, args.head_dim, args.dtype, args.mla)]
-    names = list(PRESETS) if args.preset == "all" else _csv_list(args.preset)
-    unknown = [n for n in names if n not in PRESETS]
-    if unknown:
-        raise SystemExit(f"--preset: unknown {unknown}; choose from {', '.join(PRESETS)}, all, custom")
+            raise ValueError(f"--preset custom needs --{' --'.join(m.replace('_', '-') for m in missing)}")
+        for flag, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+            if value < 1:
+                raise ValueError(f"{flag}: expected an integer >= 1, got {value}")
+        if args.mla and args.kv_heads != 1:
+            raise ValueError(f"--kv-heads: an MLA model (--mla) has one latent head; expected 1, got {args.kv_heads}")
+        return [ModelConfig("custom", args.layers, args.kv_heads, args.head_dim, args.dtype or "bfloat16", args.mla)]
+    names = list(PRESETS) if args.preset == "all" else _names("--preset", args.preset, [*PRESETS, "all", "custom"])
+    if len(names) > 1 and {"all", "custom"} & set(names):
+        raise ValueError(f"--preset: 'all' and 'custom' stand alone, got {args.preset}")
     return [PRESETS[n] for n in names]
 
 
 def page_counts(args: argparse.Namespace, page_size: int) -> list[int]:
     """Pages moved per point: ``--num-pages`` when given, else ``--tokens`` worth of pages."""
-    if args.num_pages:
-        return _csv_list(args.num_pages, int)
+    if args.num_pages is not None:
+        return _counts("--num-pages", args.num_pages)
     return [max(1, args.tokens // page_size)]
 
 
 def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
-    """Every point the arguments ask for, in run order."""
+    """Every point the arguments ask for, in run order (ValueError naming a bad list argument)."""
     points = []
-    backends = _csv_list(args.backends)
-    for b in backends:
-        if b not in BACKENDS:
-            raise SystemExit(f"--backends: unknown {b!r}; choose from {', '.join(BACKENDS)}")
-    directions = _csv_list(args.directions)
-    for d in directions:
-        if d not in DIRECTIONS:
-            raise SystemExit(f"--directions: unknown {d!r}; choose from {', '.join(DIRECTIONS)}")
-    page_sizes = _csv_list(args.page_sizes, int)
-    for model in models_from_args(args):
-        for layout in _csv_list(args.layouts):
-            if model.mla and layout not in layouts.MLA_LAYOUTS:
-                continue
+    backends = _names("--backends", args.backends, BACKENDS)
+    directions = _names("--directions", args.directions, list(DIRECTIONS))
+    page_sizes = _counts("--page-sizes", args.page_sizes)
+    host_layouts = _names("--layouts", args.layouts, layouts.LAYOUTS)
+    models = models_from_args(args)
+    for model in models:
+        usable = [lo for lo in host_layouts if not model.mla or lo in layouts.MLA_LAYOUTS]
+        if not usable:
+            raise ValueError(f"--layouts: {model.name} is MLA and none of {','.join(host_layouts)} holds an MLA "
+                             f"pool; add one of {', '.join(layouts.MLA_LAYOUTS)}")  # fmt: skip
+        for layout in usable:
             for page in page_sizes:
                 for pages in page_counts(args, page):
                     for direction in directions:
@@ -222,14 +328,14 @@ def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
         # SM-budget sweep of the kernel at the middle page size, first layout.
         if "kernel" in backends:
             page = page_sizes[len(page_sizes) // 2]
-            layout = next(lo for lo in _csv_list(args.layouts) if not model.mla or lo in layouts.MLA_LAYOUTS)
-            for sm in _csv_list(args.sm_sweep, int):
+            for sm in _counts("--sm-sweep", args.sm_sweep, allow_empty=True):
                 if sm == args.sm_budget:
                     continue
                 for direction in directions:
-                    points.append(PointSpec(model, "kernel", direction, layout, page, max(1, args.tokens // page), sm))
+                    points.append(PointSpec(model, "kernel", direction, usable[0], page, max(1, args.tokens // page),
+                                            sm))  # fmt: skip
     if args.targets_core:
-        return core_targets_plan(points, models_from_args(args))
+        return core_targets_plan(points, models)
     return points
 
 
@@ -240,15 +346,85 @@ def decides_core_targets(spec: PointSpec) -> bool:
 
 
 def core_targets_plan(specs: list[PointSpec], models: list[ModelConfig]) -> list[PointSpec]:
-    """The points of ``specs`` that decide targets 1-3; refuses a model that could not decide them."""
+    """The points of ``specs`` that decide targets 1-3; ValueError for a model that could not decide them."""
     for m in models:
         if m.item_bytes < targets.T1_MIN_ITEM_BYTES:
-            raise SystemExit(f"--targets-core: {m.name}'s items are {m.item_bytes} B, below target 1's "
+            raise ValueError(f"--targets-core: {m.name}'s items are {m.item_bytes} B, below target 1's "
                              f"{targets.T1_MIN_ITEM_BYTES} B: it cannot decide target 1")  # fmt: skip
         if m.item_bytes > targets.T3_MAX_FRAGMENT_BYTES:
-            raise SystemExit(f"--targets-core: {m.name}'s items are {m.item_bytes} B, so no fragment is within "
+            raise ValueError(f"--targets-core: {m.name}'s items are {m.item_bytes} B, so no fragment is within "
                              f"target 3's {targets.T3_MAX_FRAGMENT_BYTES} B: it cannot decide target 3")  # fmt: skip
     return [s for s in specs if decides_core_targets(s)]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def run_memory(args: argparse.Namespace, specs: list[PointSpec]) -> tuple[int, int]:
+    """(pinned host bytes, device bytes) the run holds at its peak, from the same sizes the run uses:
+    the sweep's pools (:meth:`Workload.num_slots`, one model at a time) and ceiling scratch, and the
+    pools and GEMM operands of ``--interference`` / ``--overlap``. The CUDA context is not counted."""
+    tokens = max(s.num_tokens for s in specs)
+    slots = Workload.num_slots(tokens, {s.page_size for s in specs})
+    host = device = 0
+    for model in {s.model for s in specs}:
+        pool = slots * model.slot_bytes
+        scratch = max(s.nbytes for s in specs if s.model == model)
+        host, device = max(host, pool), max(device, pool + scratch)
+    first = models_from_args(args)[0]
+    if args.interference:  # its own pools at --tokens, two operands and the product
+        pool = Workload.num_slots(args.tokens) * first.slot_bytes
+        host, device = max(host, pool), max(device, pool + 3 * INTERFERENCE_GEMM_N**2 * 2)
+    if args.overlap:  # device pool of 2x the tokens, host of 2x that; the largest GEMM tried, twice, and a product
+        t = max(16, args.tokens - args.tokens % 16)
+        host = max(host, 4 * t * first.slot_bytes)
+        device = max(device, 2 * t * first.slot_bytes + 3 * OVERLAP_GEMM_NS[-1] ** 2 * 2)
+    return host, device
+
+
+def host_memory(field: str) -> int | None:
+    """``MemAvailable`` or ``MemTotal`` in bytes (/proc/meminfo, else os.sysconf), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name == field:
+                    return int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    pages = {"MemAvailable": "SC_AVPHYS_PAGES", "MemTotal": "SC_PHYS_PAGES"}[field]
+    try:
+        return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size(n: int) -> str:
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024 or unit == "EiB":
+            break
+        value /= 1024
+    return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+
+
+def check_memory(args: argparse.Namespace, specs: list[PointSpec]) -> None:
+    """ValueError naming ``--num-pages`` or ``--tokens`` when the run would pin more host memory than
+    is available (MemAvailable) or allocate more on the GPU than is free. Without a GPU nothing is
+    allocated, but a run that could not fit this machine's RAM (MemTotal) is refused all the same, so
+    a dry run catches it."""
+    host, device = run_memory(args, specs)
+    tokens = max(s.num_tokens for s in specs)
+    what = (f"{'--num-pages' if args.num_pages is not None else '--tokens'}: up to {tokens:,} tokens a point, pools "
+            f"of {Workload.num_slots(tokens, {s.page_size for s in specs}):,} slots")  # fmt: skip
+    on_gpu = torch.cuda.is_available()
+    have = host_memory("MemAvailable" if on_gpu else "MemTotal")
+    if have is not None and host > have:
+        where = "available here" if on_gpu else "of RAM on this machine"
+        raise ValueError(f"{what}: the run needs {_size(host)} of pinned host memory, more than the {_size(have)} "
+                         f"{where}")  # fmt: skip
+    if on_gpu:
+        free, _ = torch.cuda.mem_get_info()
+        if device > free:
+            raise ValueError(f"{what}: the run needs {_size(device)} of GPU memory, more than the {_size(free)} free")
 
 
 def copy_engine_fragments(spec: PointSpec) -> int:
@@ -282,13 +458,19 @@ class Workload:
     viewed in each layout's shape (pinning once, not per point)."""
 
     def __init__(
-        self, model: ModelConfig, tokens: int, device: torch.device, pin: bool, headroom: int = 4, fill: bool = False
+        self,
+        model: ModelConfig,
+        tokens: int,
+        device: torch.device,
+        pin: bool,
+        headroom: int = 4,
+        fill: bool = False,
+        page_sizes: Iterable[int] = (),
     ) -> None:
         self.model = model
         self.device = device
         dtype = DTYPES[model.dtype]
-        self.slots = headroom * tokens + 128 * 4  # room for random pages of every page size up to 128
-        self.slots -= self.slots % 128
+        self.slots = self.num_slots(tokens, page_sizes, headroom)
         self.dev_k = torch.empty(
             model.num_layers, self.slots, model.head_num, model.head_dim, dtype=dtype, device=device
         )
@@ -301,6 +483,13 @@ class Workload:
             for t in (self.dev_k, self.dev_v, self.host_flat):
                 if t is not None:
                     t.view(torch.uint8).random_(0, 256)
+
+    @staticmethod
+    def num_slots(tokens: int, page_sizes: Iterable[int] = (), headroom: int = 4) -> int:
+        """Token slots of each pool: ``headroom`` x ``tokens`` plus 512 so random pages have room, rounded
+        up to a multiple of 128 and of every page size (a layout's host shape holds whole pages)."""
+        unit = math.lcm(128, *page_sizes)
+        return -(-(headroom * tokens + 512) // unit) * unit
 
     def host(self, layout: str, page_size: int) -> torch.Tensor:
         shape = layouts.host_shape(
@@ -461,11 +650,15 @@ def run_sweep(
         if problem is not None:
             raise LinkCheckError(problem, points)
 
+    page_sizes = {s.page_size for s in specs}
     for spec in specs:
         if spec.model.name not in work:
-            work.clear()  # one model's pools at a time
+            # One model's pools at a time (run_memory counts on it): drop every reference to the last
+            # model's before allocating, the last point's callables included.
+            w = pw = None
+            work.clear()
             scratch.clear()
-            work[spec.model.name] = Workload(spec.model, tokens, device, pin, fill=refcheck)
+            work[spec.model.name] = Workload(spec.model, tokens, device, pin, fill=refcheck, page_sizes=page_sizes)
         w = work[spec.model.name]
         direction, scope = DIRECTIONS[spec.direction]
         pw = transfer_fn(spec, w, gen)
@@ -572,8 +765,8 @@ def interference(args: argparse.Namespace, model: ModelConfig, backends: list[st
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(args.seed)
     work = Workload(model, args.tokens, device, pin=True)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    a = torch.randn(INTERFERENCE_GEMM_N, INTERFERENCE_GEMM_N, device=device, dtype=torch.bfloat16)
+    b = torch.randn(INTERFERENCE_GEMM_N, INTERFERENCE_GEMM_N, device=device, dtype=torch.bfloat16)
     compute = torch.cuda.Stream()
     timer = benchutil.CudaEventTimer(compute)
 
@@ -630,7 +823,7 @@ def overlap(args: argparse.Namespace, model: ModelConfig, backend: str, repeats:
                        page_size=page, backend=backend)  # fmt: skip
 
     layer_ms = benchutil.measure(load_layer0, timer=timer, repeats=repeats).median_ms
-    for n in (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384):  # the first GEMM at least 1.25x a layer's load
+    for n in OVERLAP_GEMM_NS:  # the first GEMM at least 1.25x a layer's load
         x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         if benchutil.measure(lambda x=x: torch.mm(x, x), timer=timer, repeats=3).median_ms >= 1.25 * layer_ms:
             break
@@ -725,30 +918,60 @@ def functional_check(seed: int = 0) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------- output
 TRANSFER_FIELDS = {
-    "backend": str, "direction": str, "scope": str, "layout": str, "page_size": int, "item_bytes": int,
-    "num_pages": int, "bytes": int, "median_ms": float, "gbps": float, "ceiling_gbps": float,
+    "model": str, "backend": str, "op": str, "direction": str, "scope": str, "layout": str, "page_size": int,
+    "item_bytes": int, "num_pages": int, "bytes": int, "median_ms": float, "gbps": float, "ceiling_gbps": float,
+    "ratio_to_ceiling": float,
 }  # fmt: skip
+# Fields of the other kinds that hicache_kernels.targets reads.
+POINT_FIELDS = {
+    "transfer": TRANSFER_FIELDS,
+    "interference": {"backend": str, "slowdown": float},
+    "overlap": {"overlap_ratio": float, "transfer_le_compute": bool},
+}
+OPTIONAL_FIELDS = {"kernel_over_direct": float, "kernel_over_batch": float, "batch_fallback": str}  # or null
 
 
-def validate_bench_json(doc: dict[str, Any]) -> list[str]:
-    """Problems with a bench JSON document (empty when it is well formed)."""
+def _is(value: Any, typ: type) -> bool:
+    """``isinstance`` where a JSON true/false is not a number."""
+    return isinstance(value, typ) and (typ is bool or not isinstance(value, bool))
+
+
+def validate_bench_json(doc: Any) -> list[str]:
+    """Problems with a bench JSON document (empty when it is well formed): what the bench writes and
+    every field :mod:`hicache_kernels.targets` reads."""
+    if not isinstance(doc, dict) or not {"meta", "points"} <= set(doc):
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        return [f"top level: expected an object with keys meta and points, got {got}"]
+    if not isinstance(doc["meta"], dict) or not isinstance(doc["points"], list):
+        return ["top level: expected meta to be an object and points a list"]
     errors = []
-    if set(doc) < {"meta", "points"}:
-        return [f"top level: expected keys meta and points, got {sorted(doc)}"]
     for key in ("tool", "time_utc", "package_version", "git_commit", "torch", "gpu", "driver"):
         if key not in doc["meta"]:
             errors.append(f"meta: missing {key!r}")
     for i, p in enumerate(doc["points"]):
-        if p.get("kind") != "transfer":
+        kind = p.get("kind") if isinstance(p, dict) else None
+        if kind not in POINT_FIELDS:
+            errors.append(f"points[{i}]: expected an object of kind {', '.join(POINT_FIELDS)}, got {p!r:.80}")
             continue
-        for key, typ in TRANSFER_FIELDS.items():
-            if not isinstance(p.get(key), typ) or isinstance(p.get(key), bool):
+        for key, typ in POINT_FIELDS[kind].items():
+            if not _is(p.get(key), typ):
                 errors.append(f"points[{i}].{key}: expected {typ.__name__}, got {p.get(key)!r}")
+        for key, typ in OPTIONAL_FIELDS.items():
+            if p.get(key) is not None and not _is(p[key], typ):
+                errors.append(f"points[{i}].{key}: expected {typ.__name__} or null, got {p[key]!r}")
+        if kind != "transfer":
+            continue
         if p.get("direction") not in ("d2h", "h2d") or p.get("scope") not in ("layer", "all"):
             errors.append(f"points[{i}]: direction/scope {p.get('direction')}/{p.get('scope')}")
-        if "sm_budget" not in p or (p["backend"] in COPY_ENGINE_BACKENDS and p["sm_budget"] is not None):
+        if DIRECTIONS.get(p.get("op")) not in (None, (p.get("direction"), p.get("scope"))):
+            errors.append(f"points[{i}].op: {p['op']} is not {p.get('direction')}/{p.get('scope')}")
+        elif p.get("op") not in DIRECTIONS:
+            errors.append(f"points[{i}].op: expected one of {', '.join(DIRECTIONS)}, got {p.get('op')!r}")
+        sm = p.get("sm_budget", "missing")
+        if sm is not None and (p.get("backend") in COPY_ENGINE_BACKENDS or not _is(sm, int)):
             errors.append(f"points[{i}].sm_budget: expected null for copy-engine backends, an int otherwise")
-        if isinstance(p.get("gbps"), float) and isinstance(p.get("median_ms"), float) and p["median_ms"] > 0:
+        timed = all(_is(p.get(k), t) for k, t in (("gbps", float), ("median_ms", float), ("bytes", int)))
+        if timed and p["median_ms"] > 0:
             expect = p["bytes"] / (p["median_ms"] * 1e-3) / 1e9
             if abs(p["gbps"] - expect) > 1e-6 * max(1.0, expect):
                 errors.append(f"points[{i}].gbps: {p['gbps']} inconsistent with bytes/median_ms ({expect})")
@@ -822,6 +1045,19 @@ def link_check_meta(link_gbps: float | None, why_not: str, problem: str | None =
     return {**check, "passed": True, "note": f"every ceiling and point <= {limit:.2f} GB/s"}
 
 
+def ignored_without_gpu(args: argparse.Namespace) -> list[str]:
+    """The options given that need measured points, which the no-GPU functional check does not make
+    (``--interference`` and ``--overlap`` only when asked for, not as part of ``--quick``)."""
+    given = {
+        "--csv": args.csv is not None,
+        "--plot": args.plot is not None,
+        "--tune-auto": args.tune_auto is not None,
+        "--interference": args.interference and not args.quick,
+        "--overlap": args.overlap and not args.quick,
+    }
+    return [flag for flag, on in given.items() if on]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     specs = plan_sweep(args)
@@ -836,6 +1072,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the functional check runs Triton on CPU tensors
         print("hicache-kernels bench: bandwidth needs a CUDA GPU, and none is visible here "
               f"({meta.get('driver') or 'no driver'}; torch {torch.__version__}).")  # fmt: skip
+        ignored = ignored_without_gpu(args)
+        if ignored:
+            print(f"bench: ignored without a GPU: {', '.join(ignored)} (they need measured points)")
         print("Running the functional cross-check of the CPU-capable backends instead (correctness only, no GB/s):")
         checks = functional_check(args.seed)
         rows = {}
@@ -917,4 +1156,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["PRESETS", "ModelConfig", "PointSpec", "main", "plan_sweep", "run_sweep", "validate_bench_json"]
+__all__ = ["PRESETS", "ModelConfig", "PointSpec", "check_args", "main", "plan_sweep", "run_sweep",
+           "validate_bench_json"]  # fmt: skip

@@ -13,14 +13,17 @@ threshold, and pass / MISS / n/a (not measured in that run). The targets (an H20
 
 Points are compared only with points of the same transfer (model, op, layout, page size, pages). A
 ``batch`` measurement that fell back to ``direct`` in any of its runs (``batch_fallback``) fails the
-targets that compare against it (3 and 4), and the row names the fallback. A bench JSON whose link
-check failed (a copy-engine ceiling or point faster than the PCIe link allows: a timing error) is
-refused, exit status 2.
+targets that compare against it (3 and 4), and the row names the fallback.
+
+Exit status: 0 when no target missed (``n/a`` is not a miss; the last line counts pass / MISS / n/a,
+and the bench's no-GPU functional check, mode ``cpu-functional-check``, reads as all n/a); 1 when a
+target missed; 2, with one line on stderr, for a file that cannot be read, is not JSON, is not a bench
+result (e.g. a pcie JSON, or ``{}``) or is malformed, and for a run whose link check failed (a
+copy-engine ceiling or point faster than the PCIe link allows: a timing error).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
@@ -36,6 +39,9 @@ T2_MIN_RATIO = 10.0
 T3_MAX_FRAGMENT_BYTES = 4096
 T3_MIN_RATIO = 2.0
 T4_MAX_RATIO = 1.05
+# The exit statuses of main() (module docstring).
+EXIT_OK, EXIT_MISS, EXIT_REFUSED = 0, 1, 2
+FUNCTIONAL_CHECK_MODE = "cpu-functional-check"  # bench's no-GPU run: no figures
 
 
 def in_target1(p: dict[str, Any]) -> bool:
@@ -177,27 +183,67 @@ def evaluate(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def load_bench_result(path: str) -> dict[str, Any]:
+    """The bench JSON at ``path``. ValueError, one line, when it cannot be read, is not JSON, is not a
+    bench result, is a run whose link check failed, or is malformed (bench's own validation)."""
+    from .bench import validate_bench_json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    except UnicodeDecodeError:
+        raise ValueError("not a text file (not UTF-8)") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    tool = meta.get("tool") if isinstance(meta, dict) else None
+    if tool != "bench":
+        why = f"meta.tool is {tool!r}" if tool is not None else "it has no meta.tool"
+        raise ValueError(f"not a bench result ({why}); expected a JSON written by python -m hicache_kernels.bench "
+                         "--json")  # fmt: skip
+    if doc.get("mode", FUNCTIONAL_CHECK_MODE) != FUNCTIONAL_CHECK_MODE:
+        raise ValueError(f"unknown bench mode {doc['mode']!r}")
+    refused = link_check_failure(doc)
+    if refused is not None:
+        raise ValueError(f"the bench refused this run's figures: {refused}")
+    problems = validate_bench_json(doc)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise ValueError(f"not a well-formed bench result: {problems[0]}{more}")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hicache_kernels.targets`` (also ``hicache-targets``); returns the exit status."""
+    from .bench import OneLineParser
     from .benchutil import format_table
 
-    parser = argparse.ArgumentParser(prog="python -m hicache_kernels.targets", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m hicache_kernels.targets", description=__doc__.splitlines()[0])
     parser.add_argument("bench_json", help="a JSON written by python -m hicache_kernels.bench --json")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
-    with open(args.bench_json) as f:
-        doc = json.load(f)
     try:
+        doc = load_bench_result(args.bench_json)
         rows = evaluate(doc)
     except ValueError as exc:
         print(f"targets: {args.bench_json}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
+    count = {status: sum(r["status"] == status for r in rows) for status in ("pass", "MISS", "n/a")}
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
+        if doc.get("mode") == FUNCTIONAL_CHECK_MODE:
+            print(f"targets: {args.bench_json} is the bench's no-GPU functional check: no figures, every target n/a")
         cols = [("target", "target"), ("measured", "measured"), ("threshold", "threshold"), ("status", "status"),
                 ("worst_at", "worst at")]  # fmt: skip
         print(format_table(rows, cols))
-    return 0
+        print(f"targets: {count['pass']} pass, {count['MISS']} MISS, {count['n/a']} n/a (not measured in this run, "
+              "not a miss)")  # fmt: skip
+    return EXIT_MISS if count["MISS"] else EXIT_OK
 
 
 if __name__ == "__main__":

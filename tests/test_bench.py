@@ -41,9 +41,20 @@ def test_help():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the no-GPU mode")
 def test_no_gpu_mode_runs_the_functional_check(tmp_path):
     out = tmp_path / "bench.json"
-    proc = cli("--quick", "--json", str(out))
+    proc = cli("--quick", "--json", str(out), "--csv", str(tmp_path / "b.csv"), "--plot", str(tmp_path / "b.png"),
+               "--tune-auto", str(tmp_path / "auto.json"))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bandwidth needs a CUDA GPU" in proc.stdout and "no GB/s" in proc.stdout
+    # What it could not do is named, in one line (--quick's own interference and overlap are not).
+    notice = [line for line in proc.stdout.splitlines() if "ignored without a GPU" in line]
+    assert notice == ["bench: ignored without a GPU: --csv, --plot, --tune-auto (they need measured points)"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["bench.json"]
+    # targets reads the functional check as all n/a: not a miss, exit 0.
+    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert "no-GPU functional check" in proc.stdout and proc.stdout.splitlines()[-1].startswith(
+        "targets: 0 pass, 0 MISS, 7 n/a"
+    )
     doc = json.loads(out.read_text())
     assert doc["mode"] == "cpu-functional-check" and doc["points"] == []
     assert bench.validate_bench_json(doc) == []
@@ -92,18 +103,91 @@ def test_num_pages_sweep():
     assert [(s.num_pages, s.num_tokens) for s in specs] == [(2, 32), (8, 128)]
 
 
+CUSTOM = ["--preset", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim", "8"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--backends", "dma"], "--backends"),
-        (["--directions", "sideways"], "--directions"),
-        (["--preset", "gpt5"], "--preset"),
-        (["--preset", "custom", "--layers", "2"], "--kv-heads"),
+        (["--backends", "dma"], "--backends: unknown 'dma'"),
+        (["--backends", ""], "--backends: empty"),
+        (["--directions", "sideways"], "--directions: unknown 'sideways'"),
+        (["--layouts", "diagonal"], "--layouts: unknown 'diagonal'"),
+        (["--preset", "gpt5"], "--preset: unknown 'gpt5'"),
+        (["--preset", "all,llama3-8b"], "--preset: 'all' and 'custom' stand alone"),
+        (["--preset", "custom", "--layers", "2"], "--preset custom needs --kv-heads --head-dim"),
+        (["--layers", "2"], "--layers: describes a custom model; it needs --preset custom"),
+        (["--dtype", "float16"], "--dtype: describes a custom model"),
+        ([*CUSTOM[:-1], "0"], "--head-dim: expected an integer >= 1, got 0"),
+        ([*CUSTOM, "--mla"], "--kv-heads: an MLA model (--mla) has one latent head; expected 1, got 2"),
+        (["--preset", "deepseek-v3", "--layouts", "page_head"], "--layouts: deepseek-v3 is MLA"),
+        (["--page-sizes", "0"], "--page-sizes: expected integers >= 1, got 0"),
+        (["--page-sizes", "16,-4"], "--page-sizes: expected integers >= 1, got -4"),
+        (["--page-sizes", "16,16"], "--page-sizes: 16 is given twice"),
+        (["--page-sizes", "sixteen"], "--page-sizes: 'sixteen' is not an integer"),
+        (["--page-sizes", ","], "--page-sizes: empty"),
+        (["--num-pages", "8,0"], "--num-pages: expected integers >= 1, got 0"),
+        (["--tokens", "0"], "--tokens: expected an integer >= 1, got 0"),
+        (["--repeats", "0"], "--repeats: expected an integer >= 1, got 0"),
+        (["--quick", "--repeats", "-1"], "--repeats: expected an integer >= 1, got -1"),
+        (["--warmup", "-1"], "--warmup: expected an integer >= 0, got -1"),
+        (["--sm-budget", "0"], "--sm-budget: expected an integer >= 1, got 0"),
+        (["--sm-sweep", "1,0"], "--sm-sweep: expected integers >= 1, got 0"),
+        (["--tune-auto", "--backends", "kernel,triton"], "--tune-auto: compares the kernel with a copy engine"),
+        (["--num-pages", str(10**12)], "--num-pages: up to 128,000,000,000,000 tokens a point"),
     ],
 )
-def test_bad_arguments(argv, message):
-    with pytest.raises(SystemExit, match=message):
-        bench.plan_sweep(bench.parse_args(argv))
+def test_bad_arguments_exit_2_with_one_line_naming_the_argument(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"python -m hicache_kernels.bench: error: {message}"), err
+
+
+def test_bad_arguments_on_the_command_line_print_no_traceback():
+    # --page-sizes 0 divided by zero; --num-pages 10**12 tried a 58 EiB allocation on a GPU.
+    for argv in (["--page-sizes", "0"], ["--num-pages", str(10**12)], ["--preset", "gpt5"]):
+        proc = cli(*argv)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+        assert len(proc.stderr.splitlines()) == 1 and argv[0] in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_memory_refusal_names_the_size(monkeypatch, capsys):
+    """The estimate against this machine's RAM (MemTotal without a GPU): a run that fits passes, one
+    that needs more is refused with both sizes."""
+    small = [*CUSTOM, "--page-sizes", "1,16", "--backends", "direct"]
+    args = bench.parse_args([*small, "--tokens", "64"])
+    host, _ = bench.run_memory(args, bench.plan_sweep(args))
+    monkeypatch.setattr(bench, "host_memory", lambda field: host if field == "MemTotal" else None)
+    bench.parse_args([*small, "--tokens", "64"])  # exactly fits
+    with pytest.raises(SystemExit):
+        bench.parse_args([*small, "--tokens", "65"])
+    err = capsys.readouterr().err
+    assert "--tokens: up to 65 tokens a point" in err and "of pinned host memory, more than the" in err
+    assert bench._size(host) in err
+
+
+def test_run_memory_counts_what_the_sweep_allocates():
+    """The estimate uses the sizes the run allocates: the Workload's pools and the largest ceiling."""
+    args = bench.parse_args([*CUSTOM, "--tokens", "40", "--page-sizes", "3,16", "--backends", "direct"])
+    specs = bench.plan_sweep(args)
+    host, device = bench.run_memory(args, specs)
+    tokens = max(s.num_tokens for s in specs)
+    work = bench.Workload(specs[0].model, tokens, torch.device("cpu"), pin=False, page_sizes={3, 16})
+    pools = work.dev_k.nbytes + work.dev_v.nbytes
+    assert host == work.host_flat.nbytes == pools and device == pools + max(s.nbytes for s in specs)
+
+
+def test_page_sizes_that_do_not_divide_128_run():
+    # The pools were a multiple of 128 slots, which a page of 3 or 384 tokens does not divide.
+    args = bench.parse_args([*CUSTOM, "--dtype", "float16", "--page-sizes", "3,384", "--tokens", "8",
+                             "--layouts", "page_first_direct,page_head", "--backends", "direct,triton",
+                             "--sm-sweep", ""])  # fmt: skip
+    specs = bench.plan_sweep(args)
+    points = bench.run_sweep(specs, device=torch.device("cpu"), timer=FakeTimer([1.0]), repeats=1, warmup=0,
+                             tokens=max(s.num_tokens for s in specs), pin=False, refcheck=True)  # fmt: skip
+    assert {p["page_size"] for p in points} == {3, 384} and all(p["refcheck"] for p in points)
 
 
 def custom_specs(backends):
@@ -187,21 +271,38 @@ def test_tune_auto_when_the_kernel_always_wins_or_data_is_missing():
 
 
 def test_validate_bench_json_reports_problems():
-    good = {"kind": "transfer", "backend": "kernel", "direction": "d2h", "scope": "all", "layout": "page_first",
-            "page_size": 1, "item_bytes": 256, "num_pages": 4, "bytes": 1000, "median_ms": 1.0, "gbps": 1e-3,
-            "ceiling_gbps": 2e-3, "sm_budget": 4}  # fmt: skip
+    good = {"kind": "transfer", "model": "m", "backend": "kernel", "op": "backup_all", "direction": "d2h",
+            "scope": "all", "layout": "page_first", "page_size": 1, "item_bytes": 256, "num_pages": 4, "bytes": 1000,
+            "median_ms": 1.0, "gbps": 1e-3, "ceiling_gbps": 2e-3, "ratio_to_ceiling": 0.5, "sm_budget": 4,
+            "kernel_over_direct": None, "kernel_over_batch": 2.0}  # fmt: skip
+    others = [{"kind": "interference", "backend": "kernel", "slowdown": 0.01},
+              {"kind": "overlap", "overlap_ratio": 1.01, "transfer_le_compute": True}]  # fmt: skip
     meta = benchutil.run_meta("bench", {})
-    assert bench.validate_bench_json({"meta": meta, "points": [good]}) == []
+    assert bench.validate_bench_json({"meta": meta, "points": [good, *others]}) == []
     bad = [
         {**good, "gbps": 5.0},
         {**good, "direction": "up"},
+        {**good, "op": "load_all"},  # an h2d op on a d2h point
+        {**good, "op": "sideways"},
         {**good, "backend": "direct", "sm_budget": 4},
+        {**good, "sm_budget": "4"},
         {**good, "page_size": "1"},
+        {**good, "page_size": True},
+        {**good, "ratio_to_ceiling": None},  # targets reads these: a KeyError or TypeError there before
+        {k: v for k, v in good.items() if k != "model"},
+        {**good, "kernel_over_batch": "2x"},
+        {**good, "kind": "gemm"},
+        {**others[0], "slowdown": None},
+        {**others[1], "transfer_le_compute": 1},
+        "a point",
     ]
     for p in bad:
         assert bench.validate_bench_json({"meta": meta, "points": [p]}), p
     assert bench.validate_bench_json({"points": []})
     assert bench.validate_bench_json({"meta": {}, "points": []})
+    # Not even the top level of a bench JSON: problems, not exceptions.
+    for doc in ([], "bench", None, {"meta": meta, "rows": []}, {"meta": [], "points": []}, {"meta": meta, "points": 1}):
+        assert bench.validate_bench_json(doc), doc
 
 
 def test_outputs(tmp_path):
@@ -425,6 +526,7 @@ def gpu_main(monkeypatch, fake_cuda):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "side")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (GPU_FREE_BYTES, 141 << 30))
     monkeypatch.setattr(_env, "_nvml", lambda: (FakeNvml(), "ok"))
     real_sweep, real_backend = bench.run_sweep, bench._backend_object
     cpu = {"device": torch.device("cpu"), "pin": False}
@@ -432,6 +534,36 @@ def gpu_main(monkeypatch, fake_cuda):
     monkeypatch.setattr(bench, "_backend_object",
                         lambda spec: DirectBackend() if spec.backend == "kernel" else real_backend(spec))  # fmt: skip
     return fake_cuda
+
+
+GPU_FREE_BYTES = 140 << 30  # what the faked H200 reports free (gpu_main)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sm-budget", "133"], "--sm-budget: 133 SMs, but this GPU has 132"),
+        (["--sm-sweep", "1,2,200"], "--sm-sweep: 200 SMs, but this GPU has 132"),
+        (["--tokens", str(1 << 20)], "GiB of GPU memory, more than the 140.0 GiB free"),
+    ],
+)
+def test_a_gpu_bounds_sm_budgets_and_device_memory(gpu_main, monkeypatch, argv, message, capsys):
+    monkeypatch.setattr(bench, "host_memory", lambda field: 1 << 50, raising=False)  # only the GPU refuses here
+    bench.parse_args(["--sm-budget", "132", "--sm-sweep", "1,132"])  # every SM is allowed
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_gpu_run_checks_for_matplotlib_before_measuring(gpu_main, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit):
+        bench.main([*CORE_CUSTOM, "--plot", "out.png"])
+    assert "--plot: needs matplotlib" in capsys.readouterr().err and gpu_main.records == []  # nothing timed
 
 
 CORE_CUSTOM = ["--targets-core", "--preset", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim", "128",
@@ -600,11 +732,12 @@ def test_targets_core_help_quotes_the_current_estimate():
         (["--head-dim", "2048"], "target 3's 4096 B"),  # 8 KiB items: no fragment is small enough
     ],
 )
-def test_targets_core_refuses_models_that_cannot_decide_its_targets(argv, message):
-    args = bench.parse_args(["--targets-core", "--preset", "custom", "--layers", "2", "--kv-heads", "2",
-                             "--dtype", "float16", *argv])  # fmt: skip
-    with pytest.raises(SystemExit, match=message):
-        bench.plan_sweep(args)
+def test_targets_core_refuses_models_that_cannot_decide_its_targets(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--targets-core", "--preset", "custom", "--layers", "2", "--kv-heads", "2",
+                          "--dtype", "float16", *argv])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and message in err
 
 
 def test_targets_core_and_quick_exclude_each_other(capsys):

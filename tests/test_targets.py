@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from hicache_kernels import benchutil
 from hicache_kernels.targets import evaluate
 
 
@@ -21,6 +23,26 @@ def point(backend, ms, *, op="load_all", direction="h2d", page=16, item=2048, sm
 
 def rows_by_target(doc):
     return {r["target"]: r for r in evaluate(doc)}
+
+
+def bench_doc(points, **meta):
+    """A bench JSON as the bench writes it: its run tags, and every field of a transfer point (the bytes,
+    GB/s and ceiling consistent with each point's time and ratio)."""
+    full = []
+    for p in points:
+        if p.get("kind") == "transfer":
+            nbytes = 1 << 20
+            gbps = nbytes / (p["median_ms"] * 1e-3) / 1e9
+            p = {"num_pages": 8, "bytes": nbytes, "gbps": gbps, "ceiling_gbps": gbps / p["ratio_to_ceiling"], **p}
+        full.append(p)
+    return {"meta": {**benchutil.run_meta("bench", {}), **meta}, "points": full}
+
+
+def targets_cli(tmp_path, doc, *args):
+    path = tmp_path / "bench.json"
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(path), *args], capture_output=True,
+                          text=True)  # fmt: skip
 
 
 def test_all_targets_pass():
@@ -77,13 +99,79 @@ def test_small_items_and_slow_transfers_are_outside_the_targets():
 
 
 def test_cli(tmp_path):
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"meta": {}, "points": [point("kernel", 1.0)]}))
-    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(path)], capture_output=True, text=True)
+    proc = targets_cli(tmp_path, bench_doc([point("kernel", 1.0)]))
     assert proc.returncode == 0 and "kernel / copy-engine ceiling" in proc.stdout and "pass" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(path), "--json"], capture_output=True,
-                          text=True)  # fmt: skip
-    assert len(json.loads(proc.stdout)) == 7
+    assert proc.stdout.splitlines()[-1] == "targets: 1 pass, 0 MISS, 6 n/a (not measured in this run, not a miss)"
+    proc = targets_cli(tmp_path, bench_doc([point("kernel", 1.0)]), "--json")
+    assert proc.returncode == 0 and len(json.loads(proc.stdout)) == 7
+
+
+def test_cli_exits_1_when_a_target_is_missed(tmp_path):
+    proc = targets_cli(tmp_path, bench_doc([point("kernel", 1.0), point("kernel", 2.0, page=64)]))  # 0.5 of ceiling
+    assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
+    assert "MISS" in proc.stdout and proc.stdout.splitlines()[-1].startswith("targets: 0 pass, 1 MISS, 6 n/a")
+    proc = targets_cli(tmp_path, bench_doc([point("kernel", 2.0)]), "--json")
+    assert proc.returncode == 1 and [r["status"] for r in json.loads(proc.stdout)][:2] == ["n/a", "MISS"]
+
+
+def pcie_json(tmp_path):
+    """A real pcie JSON (its no-GPU run here) or, on a GPU machine, one with pcie's tags."""
+    path = tmp_path / "pcie.json"
+    if torch.cuda.is_available():
+        benchutil.write_json(path, benchutil.run_meta("pcie", {}), [])
+    else:
+        proc = subprocess.run([sys.executable, "-m", "hicache_kernels.pcie", "--quick", "--json", str(path)],
+                              capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return path.read_text()
+
+
+def malformed():
+    doc = bench_doc([point("kernel", 1.0)])
+    del doc["points"][0]["ratio_to_ceiling"]  # evaluate() read it: a KeyError traceback before
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: "{}", "not a bench result (it has no meta.tool)"),
+        (lambda tmp: "[]", "not a bench result (it has no meta.tool)"),
+        (pcie_json, "not a bench result (meta.tool is 'pcie')"),
+        (lambda tmp: '{"meta": {"tool": "bench"}, "points": []}', "not a well-formed bench result: meta: missing"),
+        (lambda tmp: malformed(), "points[0].ratio_to_ceiling: expected float, got None"),
+        (lambda tmp: {**bench_doc([]), "mode": "replay"}, "unknown bench mode 'replay'"),
+        (lambda tmp: "{not json", "not JSON: Expecting property name"),
+        (lambda tmp: b"\xff\xfe{}", "not a text file"),
+        (lambda tmp: None, "No such file or directory"),
+        (lambda tmp: tmp, "Is a directory"),
+    ],
+)
+def test_cli_refuses_what_it_cannot_read_in_one_line(tmp_path, make, message):
+    made = make(tmp_path)
+    path = tmp_path / "bench.json"
+    if made is tmp_path:
+        path = tmp_path
+    elif isinstance(made, bytes):
+        path.write_bytes(made)
+    elif made is not None:
+        path.write_text(made if isinstance(made, str) else json.dumps(made))
+    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"targets: {path}: "), proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+def test_main_is_the_console_script_entry_point(tmp_path, capsys):
+    from hicache_kernels import targets
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench_doc([point("kernel", 2.0)])))
+    assert targets.main([str(path)]) == targets.EXIT_MISS == 1
+    with pytest.raises(SystemExit) as exit_:
+        targets.main([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "bench_json" in err
 
 
 FELL_BACK = "the legacy default stream is refused by cudaMemcpyBatchAsync"
@@ -132,12 +220,10 @@ def test_points_of_different_page_counts_are_not_compared():
 
 def test_a_run_whose_link_check_failed_is_refused(tmp_path):
     note = "copy-engine ceiling, h2d, 1048576 B: 80.00 GB/s is above the PCIe link's theoretical 63.02 GB/s"
-    doc = {"meta": {"link_check": {"made": True, "passed": False, "note": note}}, "points": [point("kernel", 1.0)]}
+    doc = bench_doc([point("kernel", 1.0)], link_check={"made": True, "passed": False, "note": note})
     with pytest.raises(ValueError, match="refused this run's figures: copy-engine ceiling"):
         evaluate(doc)
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps(doc))
-    proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(path)], capture_output=True, text=True)
+    proc = targets_cli(tmp_path, doc)
     assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.splitlines()) == 1 and note in proc.stderr
     for check in ({"made": False, "passed": None, "note": "not made: NVML unavailable"}, {"passed": True}):
         by = rows_by_target({"meta": {"link_check": check}, "points": [point("kernel", 1.0)]})
