@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "build_facts.h"
 #include "copy_engine.h"
 #include "runtime.h"
 #include "transfer.h"
@@ -38,7 +39,7 @@ void check_args(cudaError_t err, const char* what) {
 
 py::dict build_info() {
   py::dict d;
-  d["archs"] = HICACHE_ARCH_LIST;
+  d["archs"] = hicache::arch_list();
   d["cuda_version"] = CUDART_VERSION;
   d["cudart"] = "static";
   return d;

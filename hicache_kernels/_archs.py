@@ -1,4 +1,4 @@
-"""CUDA architecture lists: parsing and nvcc flags.
+"""CUDA architecture lists (parsing, nvcc flags, coverage) and the identity of a build.
 
 This module is imported by ``setup.py`` by file path, before the package or torch can be imported, so
 it depends on the standard library alone.
@@ -27,6 +27,9 @@ _FAMILIES = {
     "hopper": "9.0",
     "blackwell": "10.0;12.0",
 }
+
+# A PEP 440 local version label: alphanumeric segments separated by dots (we accept no other separator).
+_LOCAL_LABEL = re.compile(r"^[a-z0-9]+(?:\.[a-z0-9]+)*$", re.IGNORECASE)
 
 _TOKEN = re.compile(r"^(?:sm_|compute_)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$", re.IGNORECASE)
 
@@ -131,3 +134,59 @@ def covers(archs: list[CudaArch], major: int, minor: int) -> tuple[bool, str]:
     if ptx:
         return True, f"PTX compute_{ptx[-1].name} (JIT-compiled by the driver)"
     return False, f"no cubin or PTX in [{', '.join(map(str, archs))}] runs on compute capability {major}.{minor}"
+
+
+# ------------------------------------------------------------------------------ a build's identity
+
+
+def cuda_version_text(version: int) -> str:
+    """CUDA's integer versions (13000, 12080) as "13.0", "12.8"."""
+    return f"{version // 1000}.{(version % 1000) // 10}"
+
+
+def min_driver_version(cuda_version: int) -> int:
+    """The oldest driver CUDA version a static CUDA runtime of ``cuda_version`` runs on: its major
+    version's ``.0`` (CUDA minor-version compatibility), e.g. 13000 for any CUDA 13.x build."""
+    return cuda_version // 1000 * 1000
+
+
+def cudart_version_from_header(text: str) -> int:
+    """``CUDART_VERSION`` (e.g. 13000) from the text of a toolkit's ``cuda_runtime_api.h``.
+
+    Raises ``ValueError`` when the header does not define it.
+    """
+    m = re.search(r"^\s*#\s*define\s+CUDART_VERSION\s+(\d+)\s*$", text, re.MULTILINE)
+    if m is None:
+        raise ValueError("cuda_runtime_api.h does not #define CUDART_VERSION")
+    return int(m.group(1))
+
+
+def local_version(env: dict[str, str], cuda_version: int | None, archs: list[CudaArch] | None) -> str | None:
+    """The PEP 440 local version label that tells wheels apart, or None for none.
+
+    ``HICACHE_LOCAL_VERSION`` decides when set: empty for none, else the label itself (a leading ``+``
+    is allowed; ``ValueError`` naming the variable when it is not a valid label). Otherwise a build with
+    the CUDA extension is ``cu<major><minor>`` and one ``sm<arch>`` per compiled arch (``ptx`` appended
+    where PTX is embedded too), e.g. ``cu130.sm80.sm90ptx``; a pure-Python build (``cuda_version`` None)
+    is ``cpu``.
+    """
+    if "HICACHE_LOCAL_VERSION" in env:
+        label = env["HICACHE_LOCAL_VERSION"].strip().removeprefix("+")
+        if not label:
+            return None
+        if not _LOCAL_LABEL.match(label):
+            raise ValueError(
+                f"HICACHE_LOCAL_VERSION={env['HICACHE_LOCAL_VERSION']!r} is not a PEP 440 local version label: "
+                "use letters and digits in segments separated by dots, e.g. 'cu130.sm90', or '' for none"
+            )
+        return label
+    if cuda_version is None:
+        return "cpu"
+    if not archs:
+        raise ValueError("a CUDA build needs at least one arch to name")
+    return ".".join(
+        [
+            f"cu{cuda_version_text(cuda_version).replace('.', '')}",
+            *(f"sm{a.name}{'ptx' if a.ptx else ''}".lower() for a in archs),
+        ]
+    )

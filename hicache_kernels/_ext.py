@@ -55,11 +55,6 @@ def load_extension() -> ModuleType:
     return mod
 
 
-def _cuda_text(version: int) -> str:
-    """CUDA's integer versions (13000, 12040) as "13.0", "12.4"."""
-    return f"{version // 1000}.{(version % 1000) // 10}"
-
-
 @functools.lru_cache(maxsize=1)
 def driver_version() -> int:
     """The newest CUDA version the installed driver supports (e.g. 13000 for 13.0); 0 without a driver.
@@ -78,7 +73,7 @@ def _runtime_cuda_version() -> int:
 def required_driver_version() -> int:
     """The oldest driver CUDA version the extension's static runtime runs on: its major version's
     ``.0`` (CUDA minor-version compatibility), e.g. 13000 for a CUDA 13.x build."""
-    return _runtime_cuda_version() // 1000 * 1000
+    return _archs.min_driver_version(_runtime_cuda_version())
 
 
 def cuda_runtime_status() -> tuple[bool, str]:
@@ -92,15 +87,16 @@ def cuda_runtime_status() -> tuple[bool, str]:
         have, need = driver_version(), required_driver_version()
     except RuntimeError as exc:  # cudaDriverGetVersion itself failed
         return False, f"cannot ask the CUDA driver for its version: {exc}"
-    built = _cuda_text(_runtime_cuda_version())
+    text = _archs.cuda_version_text
+    built = text(_runtime_cuda_version())
     if have == 0:
         return False, (
             f"no CUDA driver is installed (cudaDriverGetVersion returned 0); the extension's static CUDA {built} "
-            f"runtime needs an NVIDIA driver supporting CUDA {_cuda_text(need)} or newer"
+            f"runtime needs an NVIDIA driver supporting CUDA {text(need)} or newer"
         )
     if have < need:
         return False, (
-            f"the NVIDIA driver supports CUDA {_cuda_text(have)}, older than the CUDA {_cuda_text(need)} the "
+            f"the NVIDIA driver supports CUDA {text(have)}, older than the CUDA {text(need)} the "
             f"extension's static CUDA {built} runtime needs: update the driver"
         )
     return True, "ok"
@@ -118,12 +114,16 @@ def load_cuda_extension() -> ModuleType:
 def build_info() -> dict[str, Any]:
     """What this installation was built with.
 
-    Returns a dict with ``cuda_built`` (bool); when built, ``archs`` (list of str such as
-    ``["90", "100+PTX"]``, read from the compiled extension itself), ``cuda_version`` (int, e.g.
-    13000) and ``archs_source`` (which setting chose them); otherwise ``skip_reason``.
+    Returns a dict with ``cuda_built`` (bool), ``version`` (the version the build was given, with its
+    local label, e.g. ``"0.1.0+cu130.sm90"``; None when setup.py left no record) and ``record`` (the
+    build record setup.py wrote, ``_build_meta.json``). When the extension imports: ``archs`` (list of
+    str such as ``["90", "100+PTX"]``), ``cuda_version`` (int, e.g. 13000) and ``cudart``, read from the
+    compiled extension itself, ``min_driver_cuda_version`` (the oldest driver CUDA version its runtime
+    runs on, e.g. 13000) and ``archs_source`` (which setting chose the archs); otherwise
+    ``extension_error`` and, for a pure-Python build, ``skip_reason``.
     """
     meta = _read_meta()
-    info: dict[str, Any] = {"cuda_built": bool(meta.get("cuda_built", False))}
+    info: dict[str, Any] = {"cuda_built": bool(meta.get("cuda_built", False)), "version": meta.get("version")}
     mod, reason = _load()
     if mod is not None:
         ext = mod.build_info()
@@ -132,10 +132,12 @@ def build_info() -> dict[str, Any]:
             archs=[str(a) for a in _archs.parse_arch_list(ext["archs"], supported=None)],
             cuda_version=int(ext["cuda_version"]),
             cudart=ext["cudart"],
+            min_driver_cuda_version=_archs.min_driver_version(int(ext["cuda_version"])),
             archs_source=meta.get("archs_source", "unknown"),
         )
     else:
         info["extension_error"] = reason
         if "skip_reason" in meta:
             info["skip_reason"] = meta["skip_reason"]
+    info["record"] = meta
     return info

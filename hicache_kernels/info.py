@@ -1,8 +1,10 @@
 """``python -m hicache_kernels.info``: what this installation and machine can do.
 
-Prints versions, the archs compiled in, CUDA runtime and driver versions, each visible GPU with its
-PCIe link and the theoretical bandwidth it implies, and which io-backends are usable. ``--json``
-prints the same as one JSON object. It never fails for lack of a GPU, a driver or NVML: it says so.
+Prints versions (the package's, and the one its build was given, with its local label), the archs
+compiled in, the CUDA version built with and the oldest driver that can run it, CUDA runtime and driver
+versions, each visible GPU with its PCIe link and the theoretical bandwidth it implies, and which
+io-backends are usable. ``--json`` prints the same as one JSON object. It never fails for lack of a
+GPU, a driver or NVML: it says so.
 """
 
 from __future__ import annotations
@@ -12,17 +14,31 @@ import json
 import sys
 from typing import Any
 
+from ._archs import cuda_version_text
+
 
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"hicache-kernels {r['package']['version']}"]
     b = r["build"]
-    if b["cuda_built"]:
+    built_as = f"built as {b['version']}" if b.get("version") else "the build recorded no version"
+    lines = [f"hicache-kernels {r['package']['version']} ({built_as})"]
+    if b["cuda_built"] and "archs" in b:
         lines.append(
             f"  CUDA extension: built for sm {', '.join(b['archs'])} (chosen by {b.get('archs_source')}), "
-            f"CUDA {b['cuda_version'] // 1000}.{(b['cuda_version'] % 1000) // 10}, {b.get('cudart')} cudart"
+            f"CUDA {cuda_version_text(b['cuda_version'])}, {b.get('cudart')} cudart; needs a driver supporting CUDA "
+            f"{cuda_version_text(b['min_driver_cuda_version'])} or newer"
         )
     else:
         lines.append(f"  CUDA extension: NOT available: {b.get('extension_error') or b.get('skip_reason')}")
+        rec = b.get("record") or {}
+        if rec.get("cuda_built"):  # built, yet the extension does not import: say what the build recorded
+            said = [f"archs {rec.get('archs')}"]
+            if "cuda_version" in rec:
+                said.append(f"CUDA {cuda_version_text(rec['cuda_version'])}")
+            if "min_driver_cuda_version" in rec:
+                said.append(
+                    f"needs a driver supporting CUDA {cuda_version_text(rec['min_driver_cuda_version'])} or newer"
+                )
+            lines.append("    the build record says: " + ", ".join(said))
     t = r["torch"]
     lines.append(f"  torch: {t.get('version') or 'not installed'} (CUDA {t.get('cuda') or 'none: CPU build'})")
     lines.append(f"  triton: {r['triton'].get('version') or 'not installed'}")

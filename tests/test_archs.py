@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -111,3 +112,54 @@ def test_covers(archs: str, cc: tuple[int, int], ok: bool, how: str) -> None:
     got_ok, got_how = covers(parse_arch_list(archs), *cc)
     assert got_ok is ok
     assert how in got_how
+
+
+# ------------------------------------------------------------------------------ a build's identity
+
+
+@pytest.mark.parametrize(
+    ("env", "cuda", "archs", "label"),
+    [
+        ({}, 13000, "90", "cu130.sm90"),
+        ({}, 13000, "8.0;9.0+PTX", "cu130.sm80.sm90ptx"),
+        ({}, 12080, "90a;100f", "cu128.sm90a.sm100f"),
+        ({}, 13010, _archs.DEFAULT_ARCHS, "cu131.sm75.sm80.sm86.sm89.sm90.sm100.sm120ptx"),
+        ({}, None, None, "cpu"),  # pure-Python build
+        ({"HICACHE_LOCAL_VERSION": ""}, 13000, "90", None),
+        ({"HICACHE_LOCAL_VERSION": "  "}, None, None, None),
+        ({"HICACHE_LOCAL_VERSION": "site.h200"}, 13000, "90", "site.h200"),
+        ({"HICACHE_LOCAL_VERSION": "+cu130.sm90"}, None, None, "cu130.sm90"),
+        ({"HICACHE_LOCAL_VERSION": "+"}, 13000, "90", None),
+    ],
+)
+def test_local_version(env: dict[str, str], cuda: int | None, archs: str | None, label: str | None) -> None:
+    parsed = parse_arch_list(archs) if archs else None
+    assert _archs.local_version(env, cuda, parsed) == label
+
+
+@pytest.mark.parametrize("bad", ["cu130-sm90", "cu130_sm90", "a..b", ".a", "a b", "++x"])
+def test_local_version_rejects_invalid_labels(bad: str) -> None:
+    with pytest.raises(ValueError, match="HICACHE_LOCAL_VERSION"):
+        _archs.local_version({"HICACHE_LOCAL_VERSION": bad}, 13000, parse_arch_list("90"))
+
+
+def test_cudart_version_from_header() -> None:
+    assert _archs.cudart_version_from_header("/* x */\n#define CUDART_VERSION  13000\n") == 13000
+    assert _archs.cudart_version_from_header("#  define CUDART_VERSION 12080\n") == 12080
+    with pytest.raises(ValueError, match="CUDART_VERSION"):
+        _archs.cudart_version_from_header("#define CUDART_VERSION_MINOR 1\n")
+
+
+@pytest.mark.skipif(shutil.which("/usr/local/cuda/bin/nvcc") is None, reason="no CUDA toolkit at /usr/local/cuda")
+def test_cudart_version_of_local_toolkit_matches_nvcc() -> None:
+    header = open("/usr/local/cuda/include/cuda_runtime_api.h").read()
+    out = subprocess.run(["/usr/local/cuda/bin/nvcc", "--version"], capture_output=True, text=True, check=True).stdout
+    release = re.search(r"release (\d+)\.(\d+)", out)
+    assert release is not None, out
+    version = _archs.cudart_version_from_header(header)
+    assert _archs.cuda_version_text(version) == f"{release[1]}.{release[2]}"
+
+
+@pytest.mark.parametrize(("cuda", "driver"), [(13000, 13000), (13020, 13000), (12080, 12000)])
+def test_min_driver_version(cuda: int, driver: int) -> None:
+    assert _archs.min_driver_version(cuda) == driver

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import types
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,67 @@ def test_info_json_schema() -> None:
     for status in report["io_backends"].values():
         assert isinstance(status["usable"], bool) and status["reason"]
     assert report["build"] == json.loads(json.dumps(hicache_kernels.build_info()))
+
+
+def test_info_reports_the_build_record() -> None:
+    """The version the build was given (with its local label), its archs, CUDA version and minimum driver."""
+    report = json.loads(run_info("--json").stdout)
+    b = report["build"]
+    record = json.loads((Path(hicache_kernels.__file__).parent / "_build_meta.json").read_text())
+    assert b["record"] == record and b["version"] == record.get("version")
+    if b["cuda_built"]:
+        assert b["min_driver_cuda_version"] == _ext.required_driver_version() == b["cuda_version"] // 1000 * 1000
+        assert ";".join(b["archs"]) == record["archs"] and b["cuda_version"] == record["cuda_version"]
+    text = run_info().stdout.splitlines()
+    assert text[0] == f"hicache-kernels {hicache_kernels.__version__} (built as {record['version']})"
+    if b["cuda_built"]:
+        assert text[1].endswith(f"needs a driver supporting CUDA {b['cuda_version'] // 1000}.0 or newer")
+
+
+BUILT = {
+    "cuda_built": True,
+    "version": "0.1.0+cu130.sm80.sm90ptx",
+    "archs": ["80", "90+PTX"],
+    "cuda_version": 13020,
+    "cudart": "static",
+    "min_driver_cuda_version": 13000,
+    "archs_source": "HICACHE_CUDA_ARCHS",
+}
+
+
+@pytest.mark.parametrize(
+    ("build", "lines"),
+    [
+        (
+            BUILT,
+            [
+                "hicache-kernels 0.1.0 (built as 0.1.0+cu130.sm80.sm90ptx)",
+                "  CUDA extension: built for sm 80, 90+PTX (chosen by HICACHE_CUDA_ARCHS), CUDA 13.2, static cudart; "
+                "needs a driver supporting CUDA 13.0 or newer",
+            ],
+        ),
+        (
+            {
+                "cuda_built": True,
+                "version": "0.1.0+cu130.sm90",
+                "extension_error": "the CUDA extension was built but does not import: boom",
+                "record": {"cuda_built": True, "archs": "90", "cuda_version": 13000, "min_driver_cuda_version": 13000},
+            },
+            [
+                "hicache-kernels 0.1.0 (built as 0.1.0+cu130.sm90)",
+                "  CUDA extension: NOT available: the CUDA extension was built but does not import: boom",
+                "    the build record says: archs 90, CUDA 13.0, needs a driver supporting CUDA 13.0 or newer",
+            ],
+        ),
+        (
+            {"cuda_built": False, "version": "0.1.0+cpu", "skip_reason": "HICACHE_SKIP_CUDA is set", "record": {}},
+            ["hicache-kernels 0.1.0 (built as 0.1.0+cpu)", "  CUDA extension: NOT available: HICACHE_SKIP_CUDA is set"],
+        ),
+    ],
+)
+def test_info_text_build_lines(build: dict, lines: list[str]) -> None:
+    report = {**_env.gather(), "package": {"name": "hicache-kernels", "version": "0.1.0"}, "build": build}
+    assert info.format_report(report).splitlines()[: len(lines)] == lines
 
 
 def test_info_without_gpu_says_so() -> None:
