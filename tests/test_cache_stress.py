@@ -1,7 +1,10 @@
 """Randomized stress tests of HiRadixCache + HiCacheController on tiny CPU pools.
 
 A driver applies random operations (requests that match / allocate / insert, locks and unlocks of
-matched nodes, device and host eviction, load-backs, polls of the controller's acks, flushes) and,
+matched nodes, device and host eviction, load-backs, polls of the controller's acks, flushes, and
+misuse: inserts of bad slots, load-backs of nodes a host eviction deleted after the match, closes
+with copies in flight, then calls on the closed cache; every such error must leave the cache as it
+was) and,
 after every step, checks the tree against its own invariants (``HiRadixCache.verify``) and against
 what the driver knows: exact lock counts (one per lock the driver holds, per request in flight, per
 copy in flight), the host slot state machine (WRITING / LOADING exactly for copies in flight), slot
@@ -15,6 +18,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,12 +126,14 @@ def attached(cache: HiRadixCache, node: TreeNode) -> bool:
 
 def check_device_kv(cache: HiRadixCache) -> int:
     """KV bytes of every device-resident node whose device copy is complete (no load-back into it in
-    flight: such nodes' host slots are LOADING until the ack is processed). Returns slots checked."""
+    flight: such nodes' host slots are LOADING until the ack is processed) and not lost (a load-back
+    dropped or failed while others held the node: it keeps its slots until the last unlock but never
+    matches). Returns slots checked."""
     states = cache.host_pool.state().numpy()
     toks: list[int] = []
     slots, positions = [], []
     for node, start in tree_nodes(cache):
-        if node.value is None:
+        if node.value is None or node.id in cache._lost:
             continue
         if node.host_value is not None and (states[node.host_value.numpy()] == SlotState.LOADING).any():
             continue
@@ -164,6 +170,14 @@ OPS = (
     "flush",
 )
 WEIGHTS = (14, 6, 6, 10, 5, 5, 6, 4, 10, 4, 10, 8, 2)
+MISUSE_OPS = (
+    "bad_insert",  # insert with bad slots (float, out of range, unallocated, repeated, the tree's, ...)
+    "host_evict_race",  # match a host-only prefix, host-evict (maybe it), then load_back the matched node
+    "close",  # close (drain or drop) with copies in flight, misuse the closed cache, start a new one
+)
+MISUSE_WEIGHTS = (2, 2, 0.1)  # modest: normal operation stays the bulk of every run
+ALL_OPS = OPS + MISUSE_OPS
+ALL_WEIGHTS = WEIGHTS + MISUSE_WEIGHTS
 
 
 @dataclass
@@ -185,6 +199,8 @@ class Driver:
     pending: list[Request] = field(default_factory=list)
     steps: int = 0
     counts: Counter = field(default_factory=Counter)
+    factory: Callable[[], HiRadixCache] | None = None  # builds the next cache after "close" (else no close)
+    retired: Counter = field(default_factory=Counter)  # metrics of the caches closed by "close"
 
     def __post_init__(self) -> None:
         r = random.Random(self.seed)
@@ -353,6 +369,106 @@ class Driver:
         self.cache.flush()
         assert not self.cache._inflight_writes and not self.cache._inflight_loads
 
+    # -------------------------------------------------------------- misuse: every error changes nothing
+    def refused(self, call: Callable[[], object], errors: type | tuple[type, ...], match: str) -> None:
+        """``call`` raises one of ``errors`` matching ``match`` and leaves tree and pools as they were."""
+        before = state_of(self.cache)
+        with pytest.raises(errors, match=match):
+            call()
+        assert state_of(self.cache) == before, "a refused call changed the cache"
+
+    def op_bad_insert(self, r: random.Random) -> None:
+        c, ps = self.cache, self.cache.page_size
+        toks = self.tokens(r)
+        m = c.match_prefix(toks)
+        hit = len(m.device_indices)
+        c.inc_lock_ref(m.last_device_node)
+        mine = self.alloc(len(toks) - hit)
+        c.dec_lock_ref(m.last_device_node)
+        if mine is None:
+            self.counts["device_full"] += 1
+            return
+        full = torch.cat([m.device_indices, mine])
+        bad: list[tuple[object, type, str]] = [
+            (full.to(torch.float32), TypeError, "integer tensor"),
+            (full.tolist(), TypeError, "torch.Tensor"),
+            (full[:-ps], ValueError, "one slot per token"),
+        ]
+        if len(mine):
+            page = torch.arange(ps)
+            last = slice(len(full) - ps, len(full))  # the caller's last page: the tree would take it
+            free_pages = np.flatnonzero(~self.dev.is_allocated().numpy().reshape(-1, ps).any(axis=1))
+            owned = [n.value[:ps] for n, _ in tree_nodes(c) if n.value is not None]
+            swaps = [(page + self.dev.size, "out of range"), (full[:ps].clone(), "repeated")]
+            if free_pages.size:
+                swaps.append((page + int(free_pages[r.randrange(free_pages.size)]) * ps, "not allocated"))
+            if owned:
+                swaps.append((owned[r.randrange(len(owned))], "owned by the tree|repeated"))
+            if ps > 1:
+                swaps.append((full[last].flip(0), "whole device page"))
+            for page_slots, match in swaps:
+                if len(full) == ps and match == "repeated":
+                    continue  # one page: nothing to repeat
+                slots = full.clone()
+                slots[last] = page_slots
+                bad.append((slots, ValueError, match))
+        slots, error, match = bad[r.randrange(len(bad))]
+        self.refused(lambda: c.insert(toks, slots), error, f"device_indices: .*({match})")
+        self.counts["bad_insert_refused"] += 1
+        self.dev.free(mine)
+
+    def op_host_evict_race(self, r: random.Random) -> None:
+        c = self.cache
+        toks = self.host_tokens(r)
+        if toks is None:
+            return
+        m = c.match_prefix(toks)
+        if not m.host_hit_length:
+            return
+        c.evict_host(r.randint(1, self.host.size))
+        if attached(c, m.last_host_node):
+            if c.load_back(m.last_host_node) is not None:
+                self.counts["load_back_done"] += 1
+            return
+        self.refused(lambda: c.load_back(m.last_host_node), ValueError, "node: .* no longer in the tree")
+        self.counts["load_back_raced"] += 1
+
+    def op_close(self, r: random.Random) -> None:
+        if self.factory is None:
+            return
+        c = self.cache
+        drain = r.random() < 0.5
+        c.close(drain=drain)
+        self.counts["close_drain" if drain else "close_drop"] += 1
+        self.check()  # nothing in flight: locks are the driver's, host slots SYNCED or FREE
+        assert not c._inflight_writes and not c._inflight_loads
+        # Calls on the closed cache: refused, nothing changed.
+        toks = self.tokens(r)
+        slots = self.dev.alloc(len(toks))
+        if slots is not None:
+            self.refused(lambda: c.insert(toks, slots), RuntimeError, "closed")
+            self.dev.free(slots)
+        hosts = [n for n, _ in tree_nodes(c) if n.value is None]
+        if hosts:
+            node = hosts[r.randrange(len(hosts))]
+            self.refused(lambda: c.load_back(node), RuntimeError, "closed")
+        self.refused(lambda: c.match_prefix(toks), RuntimeError, "closed")
+        # Release what the driver holds (unlocking still works), then carry on with a new cache.
+        while self.held:
+            c.dec_lock_ref(self.held.pop())
+        while self.pending:
+            q = self.pending.pop()
+            self.dev.free(q.slots)
+            c.dec_lock_ref(q.node)
+        c.verify()
+        self.retired.update({k: v for k, v in c.metrics.as_dict().items() if isinstance(v, int)})
+        self.cache = self.factory()
+        self.dev, self.host = self.cache.device_pool, self.cache.host_pool
+
+    def metric(self, name: str) -> int:
+        """A counter of :class:`CacheMetrics` summed over every cache this driver used."""
+        return self.retired[name] + getattr(self.cache.metrics, name)
+
     # -------------------------------------------------------------- invariants after every step
     def check(self) -> None:
         c = self.cache
@@ -412,7 +528,7 @@ class Driver:
 
     def run_random(self, n: int, seed: int) -> None:
         r = random.Random(seed)
-        for op in r.choices(OPS, WEIGHTS, k=n):
+        for op in r.choices(ALL_OPS, ALL_WEIGHTS, k=n):
             self.step(op, r)
 
     def release_all(self) -> None:
@@ -496,18 +612,21 @@ CONFIGS = [
     host_ratio=st.sampled_from([2.0, 3.0]),
     layout=st.sampled_from(["page_first", "layer_first", "page_first_direct", "page_head"]),
     load_back_threshold=st.sampled_from([1, 4]),
-    ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2**16)), min_size=20, max_size=150),
+    ops=st.lists(st.tuples(st.sampled_from(ALL_OPS), st.integers(0, 2**16)), min_size=20, max_size=150),
 )
 def test_random_operations_property(config, device_slots, host_ratio, layout, load_back_threshold, ops):
     max_pages = 4 if config["page_size"] == 4 else 8
-    cache = build(
-        device_slots=device_slots, host_ratio=host_ratio, layout=layout, load_back_threshold=load_back_threshold,
-        **config,
-    )  # fmt: skip
-    d = Driver(cache, seed=len(ops), max_pages=max_pages)
+
+    def factory() -> HiRadixCache:
+        return build(
+            device_slots=device_slots, host_ratio=host_ratio, layout=layout, load_back_threshold=load_back_threshold,
+            **config,
+        )  # fmt: skip
+
+    d = Driver(factory(), seed=len(ops), max_pages=max_pages, factory=factory)
     d.run(ops)
     d.drain(sample=3)
-    cache.close()
+    d.cache.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -531,24 +650,25 @@ def test_long_seeded_run():
     # No wall-clock limit here: speed belongs to benchmarks, and CI runs on a busy 2-core machine.
     total = Counter()
     for i, (config, steps) in enumerate(LONG_SEGMENTS):
-        cache = build(**config)
-        d = Driver(cache, seed=1000 + i, check_kv_every=16, max_pages=4 if config["page_size"] == 4 else 8)
+        d = Driver(
+            build(**config), seed=1000 + i, check_kv_every=16, max_pages=4 if config["page_size"] == 4 else 8,
+            factory=lambda config=config: build(**config),
+        )  # fmt: skip
         d.run_random(steps, seed=2000 + i)
         d.drain()
         total += d.counts
         total["steps"] += d.steps
-        m = cache.metrics
-        total["load_backs"] += m.load_backs
-        total["device_evicted_tokens"] += m.device_evicted_tokens
-        total["host_evicted_tokens"] += m.host_evicted_tokens
-        total["writes_refused_host_full"] += m.writes_refused_host_full
-        cache.close()
+        for key in ("load_backs", "device_evicted_tokens", "host_evicted_tokens", "writes_refused_host_full"):
+            total[key] += d.metric(key)
+        d.cache.close()
     print(f"long run: {total['steps']} steps; {dict(total)}")
     assert total["steps"] >= 100_000
-    # The run reached the interesting states, not just the easy ones.
+    # The run reached the interesting states, not just the easy ones, and every kind of misuse.
     for key in ("load_back_done", "load_back_skipped", "device_full", "load_backs", "device_evicted_tokens"):
         assert total[key] > 0, key
     assert total["host_evicted_tokens"] > 0
+    for key in ("bad_insert_refused", "load_back_raced", "close_drain", "close_drop"):
+        assert total[key] > 0, key
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -577,22 +697,32 @@ class SlowCopies:
 def test_threaded_run(write_policy):
     threads_before = threading.active_count()
     config = dict(page_size=4 if write_policy == "write_through_selective" else 1, write_policy=write_policy)
-    cache = build(threaded=True, eviction_policy="lru", device_slots=48, **config)
+    builds = []
+
+    def factory() -> HiRadixCache:
+        cache = build(threaded=True, eviction_policy="lru", device_slots=48, **config)
+        SlowCopies(cache.controller, seed=7 + len(builds))
+        builds.append(cache)
+        return cache
+
+    cache = factory()
     assert threading.active_count() == threads_before + 2
-    SlowCopies(cache.controller, seed=7)
-    d = Driver(cache, seed=11, max_pages=4 if config["page_size"] == 4 else 8)
+    d = Driver(cache, seed=11, max_pages=4 if config["page_size"] == 4 else 8, factory=factory)
     # Verify after every step as it is (pool states change only on this thread: the workers copy
-    # bytes and queue acks); every 100 steps also after a flush, when nothing is in flight.
+    # bytes and queue acks); every 100 steps also after a flush, when nothing is in flight. Misuse
+    # included: closes here meet copies really in flight on the workers.
     r = random.Random(3)
+    weights = MISUSE_WEIGHTS[:-1] + (1.0,)  # more closes than in the long run: 3000 steps here
     for i in range(3000):
-        d.step(r.choices(OPS, WEIGHTS)[0], r)
+        d.step(r.choices(ALL_OPS, WEIGHTS + weights)[0], r)
         if i % 100 == 99:
             d.cache.flush()
             d.check()
-    assert d.counts["load_back_done"] > 0 and cache.metrics.tokens_written > 0
+    assert d.counts["load_back_done"] > 0 and d.metric("tokens_written") > 0
+    assert d.counts["close_drain"] + d.counts["close_drop"] > 0 and d.counts["bad_insert_refused"] > 0
     d.drain()
-    cache.close()
-    assert cache.controller._closed
+    d.cache.close()
+    assert all(c.controller.closed for c in builds)
     deadline = time.monotonic() + 5
     while threading.active_count() != threads_before and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
-from hicache import DeviceKVPool, HiCacheController, HiRadixCache, HostKVPool, LayerDoneCounter, SlotState
+import hicache.controller as controller_module
+from hicache import (
+    CopyDropped,
+    CopyError,
+    DeviceKVPool,
+    HiCacheController,
+    HiRadixCache,
+    HostKVPool,
+    LayerDoneCounter,
+    SlotState,
+)
 
-from cachedata import evict_and_reload, make_cache, prefill
+from cachedata import check_kv, evict_and_reload, make_cache, prefill
+from test_cache_stress import tree_nodes
+
+HANG_S = 60  # hang detector for joins and waits, not a speed limit
 
 
 def pools(device="cpu", pin=False, layout="page_first", page_size=1):
@@ -77,12 +92,12 @@ def test_load_ticks_layers_in_order():
     )
     slots = dev.alloc(4)
     hs = ctrl.write(slots, node_id=1)
-    assert ctrl.finished_writes() == [1]
+    assert ctrl.finished_writes() == [(1, None)]
     host.mark_synced(hs)
     ctrl.load(hs, slots, node_id=2)
     assert ticks == []  # queued, not started
     assert ctrl.start_loading() == 1
-    assert ticks == [0, 1, 2, 3] and ctrl.finished_loads() == [2]
+    assert ticks == [0, 1, 2, 3] and ctrl.finished_loads() == [(2, None)]
     ctrl.close()
 
 
@@ -105,32 +120,104 @@ def test_threaded_workers_ack_in_submission_order_and_flush():
             ctrl.write(dev.alloc(2), node_id=i)
             ids.append(i)
         ctrl.flush()
-        assert ctrl.finished_writes() == ids
+        assert ctrl.finished_writes() == [(i, None) for i in ids]
         assert (host.state()[:16] == SlotState.WRITING).all()  # the tree marks them synced
 
 
-def test_worker_error_surfaces_on_the_next_call():
+def test_failed_copy_is_acknowledged_with_its_error_and_the_controller_keeps_working():
     dev, host = pools()
     ctrl = HiCacheController(dev, host, io_backend="direct", threaded=True)
-    ctrl.write(torch.tensor([999]), node_id=1)  # out of range: the worker's op raises
-    with pytest.raises(RuntimeError, match="worker failed"):
-        ctrl.flush()
-    ctrl.close(drain=False)
+    hs = ctrl.write(torch.tensor([999]), node_id=1)  # out of range: the worker's copy raises
+    ctrl.flush()  # does not raise: the error travels with the ack
+    ((node_id, error),) = ctrl.finished_writes()
+    assert node_id == 1 and isinstance(error, Exception) and "999" in str(error)
+    host.abort_write(hs)  # what the owner of the slots does with a failed backup
+    host.free(hs)
+    ok = ctrl.write(dev.alloc(2), node_id=2)
+    ctrl.flush()
+    assert ctrl.finished_writes() == [(2, None)] and ctrl.outstanding("write") == {}
+    host.mark_synced(ok)
+    ctrl.close()
+    assert not any(t.is_alive() for t in ctrl._threads)
 
 
-def test_close_without_drain_drops_queued_work_and_joins():
+class Gate:
+    """Wraps a controller's ``_execute``: the first copy of ``kind`` waits (in the worker) until
+    :attr:`opened` is set; :attr:`entered` says it is waiting, so later copies queue behind it."""
+
+    def __init__(self, controller: HiCacheController, kind: str) -> None:
+        self.inner = controller._execute
+        self.kind = kind
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        controller._execute = self
+
+    def __call__(self, op) -> None:
+        if op.kind == self.kind and not self.entered.is_set():
+            self.entered.set()
+            if not self.opened.wait(HANG_S):
+                raise TimeoutError("gate never opened")
+        self.inner(op)
+
+
+def open_after_drop(controller: HiCacheController, *gates: Gate) -> None:
+    """Open ``gates`` right after ``close(drain=False)`` has taken the queued copies off the queues
+    (the running, gated copy then completes and the workers reach their stop markers)."""
+    inner = controller._drop_queued
+
+    def drop(error):
+        inner(error)
+        for g in gates:
+            g.opened.set()
+
+    controller._drop_queued = drop
+
+
+def test_close_without_drain_acks_dropped_copies_and_aborts_their_load_batches():
     before = threading.active_count()
     dev, host = pools()
     ctrl = HiCacheController(dev, host, io_backend="direct", threaded=True)
-    gate = threading.Event()
-    original = ctrl._execute
-    ctrl._execute = lambda op: (gate.wait(5), original(op))
-    for i in range(4):
-        ctrl.write(dev.alloc(1), node_id=i)
-    gate.set()
+    src = [dev.alloc(2) for _ in range(3)]
+    hs = [ctrl.write(s, node_id=i) for i, s in enumerate(src)]
+    ctrl.flush()
+    assert [e for _, e in ctrl.finished_writes()] == [None] * 3
+    for h in hs:
+        host.mark_synced(h)
+    wgate, lgate = Gate(ctrl, "write"), Gate(ctrl, "load")
+    ctrl.write(dev.alloc(2), node_id=10)  # runs, held at the gate
+    assert wgate.entered.wait(HANG_S)
+    ctrl.write(dev.alloc(2), node_id=11)  # queued
+    ctrl.load(hs[0], dev.alloc(2), node_id=20)
+    first = ctrl.start_loading()  # runs, held at the gate
+    assert lgate.entered.wait(HANG_S)
+    ctrl.load(hs[1], dev.alloc(2), node_id=21)
+    second = ctrl.start_loading()  # queued
+    ctrl.load(hs[2], dev.alloc(2), node_id=22)  # pending, never started
+    errors = []
+
+    def consumer():
+        try:
+            ctrl.layer_counter.wait_until(0, timeout=HANG_S, generation=second)
+        except Exception as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=consumer)
+    waiter.start()
+    open_after_drop(ctrl, wgate, lgate)
     ctrl.close(drain=False)
+    waiter.join(HANG_S)
     assert threading.active_count() == before
+    # The dropped batch's consumer got an error, not a timeout; the running batch completed.
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "controller closed" in str(errors[0])
+    ctrl.layer_counter.wait_until(0, generation=first)
+    assert ctrl.layer_counter.in_flight == ()
+    writes, loads = dict(ctrl.finished_writes()), dict(ctrl.finished_loads())
+    assert writes[10] is None and isinstance(writes[11], CopyDropped)
+    assert loads[20] is None and isinstance(loads[21], CopyDropped) and isinstance(loads[22], CopyDropped)
+    assert ctrl.outstanding("write") == {} and ctrl.outstanding("load") == {}
     ctrl.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        ctrl.write(dev.alloc(2), node_id=99)
 
 
 def test_agree_min_without_group_is_identity():
@@ -188,3 +275,284 @@ def test_controller_on_gpu_with_kernel_backend(write_policy):
             idx = c.match_prefix(list(s)).device_indices
             assert torch.equal(dev.k[:, idx], k) and torch.equal(dev.v[:, idx], v)
         c.verify()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Failed copies: the operation fails, its nodes are rolled back, the cache keeps working
+# ---------------------------------------------------------------------------------------------------
+
+
+def node_of(cache, tokens):
+    """The node whose key ends at ``tokens`` (page_size 1), found without touching the tree."""
+    node, pos = cache.root, 0
+    while pos < len(tokens):
+        node = node.children[(tokens[pos],)]
+        pos += len(node.key)
+    assert pos == len(tokens)
+    return node
+
+
+def fail_calls(monkeypatch, name, which):
+    """Make ``hicache_kernels.ops.<name>`` raise on the calls numbered in ``which`` (from 1)."""
+    real = getattr(controller_module.ops, name)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(kwargs.get("layer_id"))
+        if len(calls) in which:
+            raise RuntimeError(f"{name} failed (injected, call {len(calls)})")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(controller_module.ops, name, failing)
+    return calls
+
+
+def threads_of(cache):
+    return list(cache.controller._threads)
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_failed_backup_leaves_its_node_device_only_and_the_cache_keeps_working(monkeypatch, threaded):
+    c = make_cache(device_slots=32, threaded=threaded)
+    threads = threads_of(c)
+    fail_calls(monkeypatch, "backup_all_layers", {1})
+    toks = list(range(16))
+    prefill(c, toks)
+    with pytest.raises(CopyError, match="injected") as e:
+        c.flush()
+    assert [(k, i) for k, i, _ in e.value.failures] == [("write", node_of(c, toks).id)]
+    node = node_of(c, toks)
+    assert node.host_value is None and node.value is not None and node.lock_ref == 0
+    assert (c.host_pool.state() == SlotState.FREE).all()
+    assert c.metrics.writes_failed == 1
+    c.verify()
+    check_kv(c, toks, c.match_prefix(toks).device_indices)  # the device copy is untouched
+    other = list(range(100, 116))
+    prefill(c, other)
+    c.flush()
+    evict_and_reload(c, other)  # a later backup, eviction and load-back work
+    c.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_failed_load_back_puts_its_nodes_back_to_host_only(monkeypatch, threaded):
+    c = make_cache(device_slots=32, threaded=threaded)
+    threads = threads_of(c)
+    toks = list(range(16))
+    prefill(c, toks)
+    c.flush()
+    c.evict(32)
+    m = c.match_prefix(toks)
+    fail_calls(monkeypatch, "load_layer", {2})  # layer 0 lands, layer 1 fails
+    assert c.load_back(m.last_host_node) is not None
+    gen = c.start_loading()
+    with pytest.raises(RuntimeError, match=f"generation {gen} failed"):
+        c.controller.layer_counter.wait_until(c.device_pool.num_layers - 1, timeout=HANG_S, generation=gen)
+    with pytest.raises(CopyError, match="load of node") as e:
+        c.flush()
+    assert [(k, i) for k, i, _ in e.value.failures] == [("load", m.last_host_node.id)]
+    node = node_of(c, toks)
+    assert node.value is None and node.lock_ref == 0 and node.host_value is not None
+    assert c.device_pool.available_size() == 32 and (c.host_pool.state()[node.host_value] == SlotState.SYNCED).all()
+    assert c.metrics.loads_failed == 1
+    c.verify()
+    evict_and_reload(c, toks)  # the host copy is intact: a second load-back brings the right KV
+    c.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_failed_load_back_of_nodes_in_use_is_lost_until_their_last_unlock(monkeypatch):
+    c = make_cache(device_slots=32)
+    toks = list(range(16))
+    prefill(c, toks)
+    c.flush()
+    c.evict(32)
+    m = c.match_prefix(toks)
+    fail_calls(monkeypatch, "load_layer", {1})
+    c.load_back(m.last_host_node)
+    c.start_loading()  # inline: fails now; the failure is processed at the next check_loads
+    c.inc_lock_ref(m.last_host_node)  # a request uses the prefix meanwhile...
+    longer = toks + [7, 8, 9, 10]
+    prefill(c, longer)  # ...and another inserts below it (its backup is acknowledged, not processed)
+    with pytest.raises(CopyError):
+        c.check_loads()
+    node, child = node_of(c, toks), node_of(c, longer)
+    assert node.value is not None  # still held: keeps its slots...
+    c.verify()
+    assert len(c.match_prefix(longer).device_indices) == 0  # ...but no longer matches: its KV is lost
+    c.check_writes()
+    c.dec_lock_ref(node)  # the last holder lets go: dropped from the device, with what hangs below it
+    assert node.value is None and child.value is None and child.host_value is not None
+    assert c.device_pool.available_size() == 32
+    c.verify()
+    monkeypatch.undo()
+    evict_and_reload(c, longer)  # both KV copies on the host were good
+    c.close()
+
+
+def test_close_after_a_failed_copy_releases_the_threads_and_raises(monkeypatch):
+    c = make_cache(device_slots=32, threaded=True)
+    threads = threads_of(c)
+    fail_calls(monkeypatch, "backup_all_layers", {1})
+    prefill(c, list(range(16)))
+    with pytest.raises(CopyError, match="injected"):
+        c.close()
+    assert not any(t.is_alive() for t in threads) and c.controller.closed
+    c.verify()
+    assert all(n.lock_ref == 0 for n, _ in tree_nodes(c))
+    c.close()  # idempotent: nothing left to report
+
+
+# ---------------------------------------------------------------------------------------------------
+# close(): drain or drop; verify() notices copies and locks that nothing accounts for
+# ---------------------------------------------------------------------------------------------------
+
+
+def queued_copies(c):
+    """Gate both workers and queue: backups A (running) and B (queued), load-backs L1 (running), L2
+    (queued) and L3 (pending). Returns the token lists and the gates."""
+    seqs = {name: list(range(base, base + 8)) for name, base in [("L1", 1000), ("L2", 2000), ("L3", 3000)]}
+    for name in ("L1", "L2", "L3"):
+        prefill(c, seqs[name])
+    c.flush()
+    c.evict(c.device_pool.size)
+    wgate, lgate = Gate(c.controller, "write"), Gate(c.controller, "load")
+    seqs["A"], seqs["B"] = list(range(8)), list(range(100, 108))
+    prefill(c, seqs["A"])
+    assert wgate.entered.wait(HANG_S)
+    prefill(c, seqs["B"])
+    c.load_back(c.match_prefix(seqs["L1"]).last_host_node)
+    gens = [c.start_loading()]
+    assert lgate.entered.wait(HANG_S)
+    c.load_back(c.match_prefix(seqs["L2"]).last_host_node)
+    gens.append(c.start_loading())
+    c.load_back(c.match_prefix(seqs["L3"]).last_host_node)
+    return seqs, gens, (wgate, lgate)
+
+
+def test_cache_close_without_drain_rolls_back_the_dropped_copies():
+    before = threading.active_count()
+    c = make_cache(device_slots=64, threaded=True)
+    seqs, gens, gates = queued_copies(c)
+    open_after_drop(c.controller, *gates)
+    c.close(drain=False)  # dropping was asked for: no error
+    assert threading.active_count() == before
+    nodes = {name: node_of(c, toks) for name, toks in seqs.items()}
+    assert nodes["A"].host_value is not None and nodes["A"].value is not None  # ran: backed up
+    assert nodes["B"].host_value is None and nodes["B"].value is not None  # dropped: device-only
+    check_kv(c, seqs["L1"], nodes["L1"].value)  # ran: loaded
+    for name in ("L2", "L3"):  # dropped: host-only again
+        assert nodes[name].value is None and nodes[name].host_value is not None
+    with pytest.raises(RuntimeError, match="controller closed"):
+        c.controller.layer_counter.wait_until(0, generation=gens[1])
+    assert c.metrics.copies_dropped == 3 and c.metrics.writes_failed == c.metrics.loads_failed == 0
+    assert all(n.lock_ref == 0 for n, _ in tree_nodes(c))
+    states = c.host_pool.state()
+    assert not ((states == SlotState.WRITING) | (states == SlotState.LOADING)).any()
+    c.verify()
+
+
+def test_cache_close_drains_queued_copies_and_unlocks_their_nodes():
+    before = threading.active_count()
+    c = make_cache(device_slots=64, threaded=True)
+    seqs, _, gates = queued_copies(c)
+    opener = threading.Timer(0.05, lambda: [g.opened.set() for g in gates])  # while close() waits
+    opener.start()
+    c.close()
+    opener.join()
+    assert threading.active_count() == before
+    for name, toks in seqs.items():
+        node = node_of(c, toks)
+        assert node.value is not None and node.host_value is not None, name
+        check_kv(c, toks, node.value)
+    assert all(n.lock_ref == 0 for n, _ in tree_nodes(c))
+    assert c.metrics.copies_dropped == 0
+    c.verify()
+
+
+def test_close_refuses_to_drop_on_a_controller_it_does_not_own():
+    dev, host = pools()
+    ctrl = HiCacheController(dev, host, io_backend="direct", threaded=False)
+    c = HiRadixCache(dev, host, ctrl, load_back_threshold=1)
+    with pytest.raises(ValueError, match="drain"):
+        c.close(drain=False)
+    assert not c.closed
+    c.close()
+    assert not ctrl.closed  # not the cache's to close
+    ctrl.close()
+
+
+def test_verify_notices_a_host_slot_in_flight_without_a_copy():
+    c = make_cache(device_slots=32)
+    toks = list(range(8))
+    prefill(c, toks)
+    c.flush()
+    c.host_pool.mark_loading(node_of(c, toks).host_value)  # LOADING, but no load-back accounts for it
+    with pytest.raises(AssertionError, match="LOADING"):
+        c.verify()
+
+
+def test_verify_notices_acks_taken_behind_the_trees_back():
+    c = make_cache(device_slots=32)
+    prefill(c, list(range(8)))  # inline backup: done, its ack waits for the tree
+    c.controller.finished_writes()  # taken by someone else: the node would stay locked forever
+    with pytest.raises(AssertionError, match="writes in flight"):
+        c.verify()
+
+
+def test_verify_notices_a_copy_in_flight_without_its_lock():
+    c = make_cache(device_slots=32)
+    toks = list(range(8))
+    prefill(c, toks)
+    c.dec_lock_ref(node_of(c, toks))  # releases the lock its backup holds
+    with pytest.raises(AssertionError, match="in flight for it"):
+        c.verify()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dropped without close(): the finalizer stops the workers, and the pools are freed
+# ---------------------------------------------------------------------------------------------------
+
+
+def abandoned(case, monkeypatch):
+    """Build and use a threaded cache (or a bare controller), then drop it without close(). Returns its
+    worker threads and weak references to it, its controller and its pools' storage."""
+    if case == "controller":
+        dev, host = pools()
+        ctrl = HiCacheController(dev, host, io_backend="direct", threaded=True)
+        ctrl.write(dev.alloc(4), node_id=1)
+        return list(ctrl._threads), [weakref.ref(x) for x in (ctrl, dev.k, host.buffer)]
+    c = make_cache(device_slots=32, threaded=True)
+    gate = threading.Event()
+    if case == "after_failure":
+        fail_calls(monkeypatch, "backup_all_layers", {1})
+    if case == "copies_queued":  # the first backup holds the write worker: the others stay queued
+        real = controller_module.ops.backup_all_layers
+        monkeypatch.setattr(
+            controller_module.ops, "backup_all_layers", lambda *a, **k: (gate.wait(HANG_S), real(*a, **k))
+        )
+    for i in range(3):
+        prefill(c, list(range(i * 100, i * 100 + 8)))
+    if case == "after_failure":
+        c.controller.flush()  # the failure is acknowledged, never processed
+    refs = [weakref.ref(x) for x in (c, c.controller, c.device_pool, c.device_pool.k, c.host_pool.buffer)]
+    return threads_of(c), refs, gate
+
+
+@pytest.mark.parametrize("case", ["idle", "copies_queued", "after_failure", "controller"])
+def test_dropped_without_close_releases_threads_and_pools(case, monkeypatch):
+    got = abandoned(case, monkeypatch)
+    threads, refs = got[0], got[1]
+    assert len(threads) == 2  # (without reference cycles they may have stopped already)
+    if case == "copies_queued":
+        got[2].set()
+    del got
+    deadline = time.monotonic() + HANG_S  # a hang detector: the workers stop as soon as the finalizer runs
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        gc.collect()
+        for t in threads:
+            t.join(0.05)
+    assert not any(t.is_alive() for t in threads)
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)

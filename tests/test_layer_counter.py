@@ -267,7 +267,7 @@ def test_controller_finishes_each_load_batch_before_its_ack(threaded):
         expected = dev.k[:, slots].clone()
         hs = ctrl.write(slots, node_id=0)
         ctrl.flush()
-        assert ctrl.finished_writes() == [0]
+        assert ctrl.finished_writes() == [(0, None)]
         host.mark_synced(hs)
         for i in range(counter.num_slots + 2):  # more batches than slots: none may stay held
             dev.k.zero_()
@@ -279,7 +279,7 @@ def test_controller_finishes_each_load_batch_before_its_ack(threaded):
                     break
                 time.sleep(0.001)
             assert gen not in counter.in_flight  # released by the time the ack is visible
-            assert ctrl.finished_loads() == [i]
+            assert ctrl.finished_loads() == [(i, None)]
             assert torch.equal(dev.k[:, slots], expected)
             host.mark_synced(hs)
         assert counter.in_flight == ()
@@ -289,14 +289,15 @@ def test_controller_aborts_a_failed_load_so_its_consumers_fail_fast():
     dev, host = pools()
     ctrl = HiCacheController(dev, host, io_backend="direct", threaded=False)
     hs = ctrl.write(dev.alloc(2), node_id=0)
-    assert ctrl.finished_writes() == [0]
+    assert ctrl.finished_writes() == [(0, None)]
     host.mark_synced(hs)
     ctrl.load(hs, torch.tensor([0, 999]), node_id=1)  # device slot out of range: the copy raises
-    with pytest.raises(IndexError):
-        ctrl.start_loading()
-    with pytest.raises(RuntimeError, match="generation 1 failed"):
+    gen = ctrl.start_loading()  # a failed copy is acknowledged with its error, not raised here
+    with pytest.raises(RuntimeError, match=f"generation {gen} failed"):
         ctrl.layer_counter.wait_until(0, timeout=5)
     assert ctrl.layer_counter.in_flight == ()
+    ((node_id, error),) = ctrl.finished_loads()
+    assert node_id == 1 and isinstance(error, IndexError)
     ctrl.close(drain=False)
 
 
@@ -359,7 +360,7 @@ def test_gpu_controller_overlapping_loads_on_a_delayed_stream(monkeypatch):
     expected = [(dev.k[:, i].clone(), dev.v[:, i].clone()) for i in idx]
     host_slots = [ctrl.write(s, node_id=b) for b, s in enumerate(slots)]
     ctrl.flush()
-    assert ctrl.finished_writes() == [0, 1]
+    assert ctrl.finished_writes() == [(0, None), (1, None)]
     for hs in host_slots:
         host.mark_synced(hs)
     dev.k.zero_()
@@ -396,7 +397,7 @@ def test_gpu_controller_overlapping_loads_on_a_delayed_stream(monkeypatch):
         for b, layer, k, v in got:
             assert torch.equal(k, expected[b][0][layer]) and torch.equal(v, expected[b][1][layer]), (b, layer)
         ctrl.flush()
-        assert ctrl.finished_loads() == [10, 11]
+        assert ctrl.finished_loads() == [(10, None), (11, None)]
         assert ctrl.layer_counter.in_flight == ()
     finally:
         second_started.set()

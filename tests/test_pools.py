@@ -196,6 +196,16 @@ def test_device_free_refuses_bad_types(slots, exc):
     assert pool.available_size() == 28
 
 
+def test_allocated_of_reads_states_of_checked_slots():
+    pool = dev_pool(page_size=4)
+    a = pool.alloc(8)
+    probe = np.array([0, 7, 8, 31], dtype=np.int64)
+    assert pool.allocated_of(probe).tolist() == [True, True, False, False]
+    assert pool.allocated_of(probe).tolist() == pool.is_allocated(torch.from_numpy(probe)).tolist()
+    pool.free(a)
+    assert not pool.allocated_of(probe).any()
+
+
 def test_free_accepts_int32_and_empty():
     pool = dev_pool(num_slots=8, page_size=4)
     a = pool.alloc(4)
@@ -497,7 +507,12 @@ def test_legal_transitions():
     host.mark_synced(s)
     host.free(s)  # SYNCED -> FREE
     assert (host.state() == S.FREE).all() and host.available_size() == host.size
-    for method in (host.mark_writing, host.mark_synced, host.mark_loading, host.free):
+    s = host.alloc(8)
+    host.mark_writing(s)
+    host.abort_write(s)  # WRITING -> RESERVED: the backup failed, the slots hold nothing valid
+    assert (host.state(s) == S.RESERVED).all()
+    host.free(s)
+    for method in (host.mark_writing, host.mark_synced, host.mark_loading, host.abort_write, host.free):
         method(torch.empty(0, dtype=torch.int64))  # empty: no-op
     assert host.state().dtype == torch.uint8 and host.state().shape == (host.size,)
 
@@ -514,6 +529,10 @@ ILLEGAL = [
     ("mark_loading", S.RESERVED, "holds no valid data yet"),
     ("mark_loading", S.WRITING, "its backup is still in flight"),
     ("mark_loading", S.LOADING, "a load is already in flight"),
+    ("abort_write", S.FREE, "slot not allocated"),
+    ("abort_write", S.RESERVED, "no backup was started"),
+    ("abort_write", S.SYNCED, "its backup already completed"),
+    ("abort_write", S.LOADING, "a load from it is in flight"),
     ("free", S.FREE, "double free"),
     ("free", S.WRITING, r"free of a slot in flight \(WRITING\)"),
     ("free", S.LOADING, r"free of a slot in flight \(LOADING\)"),
@@ -524,7 +543,10 @@ ILLEGAL = [
 def test_illegal_transition_all_or_nothing(method, state, reason):
     host = host_pool(page_size=4)
     # A legal page for the method first, then the offending page: a mixed set.
-    legal_state = {"mark_writing": S.RESERVED, "mark_synced": S.WRITING, "mark_loading": S.SYNCED, "free": S.SYNCED}
+    legal_state = {
+        "mark_writing": S.RESERVED, "mark_synced": S.WRITING, "mark_loading": S.SYNCED, "abort_write": S.WRITING,
+        "free": S.SYNCED,
+    }  # fmt: skip
     good = slots_in(host, legal_state[method])
     bad = slots_in(host, state)
     before, avail = host.state(), host.available_size()
@@ -578,6 +600,7 @@ TRANSITIONS = {
     "mark_writing": ({S.RESERVED}, S.WRITING),
     "mark_synced": ({S.WRITING, S.LOADING}, S.SYNCED),
     "mark_loading": ({S.SYNCED}, S.LOADING),
+    "abort_write": ({S.WRITING}, S.RESERVED),
     "free": ({S.RESERVED, S.SYNCED}, S.FREE),
 }
 

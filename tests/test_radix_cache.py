@@ -11,6 +11,7 @@ from hicache import FIFO, LFU, LRU, SLRU, Priority, get_policy
 from hicache_kernels.layouts import LAYOUTS, MLA_LAYOUTS
 
 from cachedata import check_kv, evict_and_reload, make_cache, prefill
+from test_cache_stress import state_of
 
 
 def test_insert_then_match_returns_device_prefix():
@@ -268,3 +269,170 @@ def test_bad_arguments():
         make_cache(write_policy="write_around")
     with pytest.raises(ValueError, match="load_back_threshold"):
         make_cache(load_back_threshold=-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Misuse: each error names its argument, changes nothing, and verify() holds afterwards
+# ---------------------------------------------------------------------------------------------------
+
+
+def host_only_prefix(c, toks):
+    prefill(c, toks)
+    c.flush()
+    c.evict(c.device_pool.size)
+    m = c.match_prefix(toks)
+    assert m.host_hit_length == len(toks)
+    return m
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_load_back_of_a_node_whose_host_copy_was_evicted_raises_and_changes_nothing(threaded):
+    with make_cache(device_slots=32, threaded=threaded) as c:
+        toks = list(range(40, 56))
+        m = host_only_prefix(c, toks)
+        assert c.evict_host(c.host_pool.size) == 16  # the matched node is deleted meanwhile
+        before = state_of(c)
+        with pytest.raises(ValueError, match=r"node: .* no longer in the tree"):
+            c.load_back(m.last_host_node)
+        assert state_of(c) == before
+        assert c.device_pool.available_size() == c.device_pool.size
+        c.verify()
+        assert c.match_prefix(toks).host_hit_length == 0
+
+
+def test_load_back_refuses_bad_arguments():
+    with make_cache(device_slots=32) as c:
+        m = host_only_prefix(c, list(range(16)))
+        before = state_of(c)
+        with pytest.raises(TypeError, match="node: expected a TreeNode"):
+            c.load_back(list(range(16)))
+        with pytest.raises(ValueError, match="mem_quota"):
+            c.load_back(m.last_host_node, mem_quota=-1)
+        assert state_of(c) == before
+        c.verify()
+
+
+def _bad_slots(c, page_size):
+    """name -> (device_indices for 2 pages of new tokens, expected exception, message pattern)."""
+    n, ps = 2 * page_size, page_size
+    dp = c.device_pool
+    mine = dp.alloc(n)
+    owned = c.match_prefix(list(range(500, 500 + n))).device_indices  # the tree's slots for another key
+    free_page = next(p for p in range(dp.size // ps) if not dp.is_allocated(torch.arange(p * ps, (p + 1) * ps)).any())
+    cases = {
+        "float": (mine.to(torch.float32), TypeError, "integer tensor"),
+        "bool": (torch.ones(n, dtype=torch.bool), TypeError, "integer tensor"),
+        "list": (mine.tolist(), TypeError, "torch.Tensor"),
+        "2-D": (mine.reshape(1, -1), ValueError, "1-D"),
+        "too short": (mine[:ps], ValueError, "one slot per token"),
+        "out of range": (torch.cat([mine[:ps], torch.arange(dp.size, dp.size + ps)]), ValueError, "out of range"),
+        "negative": (torch.cat([mine[:ps], torch.arange(-ps, 0)]), ValueError, "out of range"),
+        "never allocated": (
+            torch.cat([mine[:ps], torch.arange(free_page * ps, (free_page + 1) * ps)]), ValueError, "not allocated",
+        ),
+        "repeated": (torch.cat([mine[:ps], mine[:ps]]), ValueError, "repeated"),
+        "owned by the tree": (torch.cat([mine[:ps], owned[:ps]]), ValueError, "owned by the tree"),
+    }  # fmt: skip
+    if ps > 1:
+        cases["page out of order"] = (torch.cat([mine[:ps].flip(0), mine[ps:]]), ValueError, "whole device page")
+        cases["straddles pages"] = (mine + 1 if int(mine[-1]) + 1 < dp.size else mine - 1, ValueError, "whole device")
+    return mine, cases
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_insert_refuses_bad_slots_and_changes_nothing(page_size, threaded):
+    layout = "page_first_direct" if page_size > 1 else "page_first"
+    with make_cache(device_slots=64, page_size=page_size, layout=layout, threaded=threaded) as c:
+        prefill(c, list(range(500, 500 + 2 * page_size)))
+        c.flush()
+        mine, cases = _bad_slots(c, page_size)
+        toks = list(range(900, 900 + 2 * page_size))
+        for name, (slots, exc, pattern) in cases.items():
+            before = state_of(c)
+            with pytest.raises(exc, match=f"device_indices: .*{pattern}"):
+                c.insert(toks, slots)
+            assert state_of(c) == before, name
+            c.verify(external_device=mine)
+        c.flush()  # nothing reached a worker: no copy fails
+        assert c.insert(toks, mine) == 0  # the good slots still go in
+        c.flush()
+        c.verify()
+
+
+def test_insert_takes_only_the_slots_of_uncached_tokens():
+    """Where the tree holds the tokens on the device the caller may pass the tree's slots (as matched)
+    or its own; where it takes slots (new tokens, host-only nodes) they must be the caller's."""
+    with make_cache(device_slots=32) as c:
+        a = list(range(100, 108))
+        prefill(c, a)
+        c.flush()
+        m = c.match_prefix(a)
+        own = c.device_pool.alloc(4)
+        b = a + [1, 2, 3, 4]
+        assert c.insert(b, torch.cat([m.device_indices, own])) == 8  # the tree's own slots for the prefix
+        c.verify()
+        mine = c.device_pool.alloc(12)
+        assert c.insert(b, mine) == 12  # all cached: the caller keeps (and frees) its slots
+        c.device_pool.free(mine)
+        c.flush()
+        c.evict(32)  # both nodes host-only now
+        m = c.match_prefix(b)
+        assert m.host_hit_length == 12
+        before = state_of(c)
+        with pytest.raises(ValueError, match="not allocated"):
+            c.insert(b, m.device_indices.new_tensor(range(12)))  # reviving host-only nodes takes the slots
+        assert state_of(c) == before
+        c.verify()
+
+
+def test_out_of_range_insert_no_longer_reaches_a_worker():
+    with make_cache(device_slots=32, threaded=True) as c:
+        with pytest.raises(ValueError, match="out of range"):
+            c.insert(list(range(4)), torch.tensor([0, 1, 2, 999]))
+        prefill(c, list(range(8)))
+        c.flush()
+        assert c.metrics.writes_failed == 0 and c.metrics.tokens_written == 8
+        c.verify()
+
+
+def test_calls_after_close_raise_before_changing_anything():
+    c = make_cache(device_slots=32)
+    toks = list(range(16))
+    m = host_only_prefix(c, toks)
+    prefill(c, list(range(100, 108)))
+    c.flush()
+    slots = c.device_pool.alloc(8)
+    c.close()
+    before = state_of(c)
+    calls = {
+        "insert": lambda: c.insert(list(range(200, 208)), slots),
+        "load_back": lambda: c.load_back(m.last_host_node),
+        "match_prefix": lambda: c.match_prefix(toks),
+        "evict": lambda: c.evict(8),
+        "evict_host": lambda: c.evict_host(8),
+        "start_loading": c.start_loading,
+        "flush": c.flush,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="closed") as e:
+            call()
+        assert state_of(c) == before, name
+        assert str(e.value) == f"{name}: the HiRadixCache is closed"
+    c.verify(external_device=slots)
+    c.close()  # idempotent
+
+
+def test_a_cache_on_a_closed_controller_refuses_before_changing_anything():
+    c = make_cache(device_slots=32)
+    m = host_only_prefix(c, list(range(16)))
+    c.controller.close()  # closed behind the cache's back
+    slots = c.device_pool.alloc(4)
+    before = state_of(c)
+    with pytest.raises(RuntimeError, match="(?i)controller is closed"):
+        c.load_back(m.last_host_node)
+    with pytest.raises(RuntimeError, match="(?i)controller is closed"):
+        c.insert(list(range(50, 54)), slots)
+    assert state_of(c) == before and m.last_host_node.value is None
+    c.verify(external_device=slots)
+    c.close()

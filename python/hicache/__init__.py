@@ -1,12 +1,12 @@
 """hicache: a minimal hierarchical KV cache (device pool, pinned host pool, radix tree, controller)
 built on the transfer ops of :mod:`hicache_kernels`."""
 
-from .controller import CacheMetrics, HiCacheController, LayerDoneCounter
+from .controller import CacheMetrics, CopyDropped, CopyError, HiCacheController, LayerDoneCounter
 from .policies import FIFO, LFU, LRU, SLRU, Priority, get_policy
 from .pools import DeviceKVPool, HostKVPool, SlotState
 from .radix_cache import HiRadixCache, MatchResult, TreeNode
 
 __all__ = [
-    "FIFO", "LFU", "LRU", "SLRU", "CacheMetrics", "DeviceKVPool", "HiCacheController", "HiRadixCache",
-    "HostKVPool", "LayerDoneCounter", "MatchResult", "Priority", "SlotState", "TreeNode", "get_policy",
+    "FIFO", "LFU", "LRU", "SLRU", "CacheMetrics", "CopyDropped", "CopyError", "DeviceKVPool", "HiCacheController",
+    "HiRadixCache", "HostKVPool", "LayerDoneCounter", "MatchResult", "Priority", "SlotState", "TreeNode", "get_policy",
 ]  # fmt: skip

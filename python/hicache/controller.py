@@ -8,6 +8,12 @@ scheduler's thread, and reports completions back to the tree.
 - Loads run layer by layer and tick a :class:`LayerDoneCounter`, so a forward pass can start layer
   ``k`` as soon as its KV has arrived while later layers are still loading. Each load batch keeps
   its per-layer events until the copy has landed and is acknowledged (:meth:`LayerDoneCounter.finish`).
+- A copy that fails (or is dropped by ``close(drain=False)``) is acknowledged like any other, with
+  its error: the tree rolls its nodes back when it processes the ack and raises :class:`CopyError`;
+  the controller itself keeps working. A failed or dropped load batch is aborted on the layer counter,
+  so its consumers get an error instead of waiting.
+- The worker threads hold only their queues and a weak reference to the controller: a controller
+  dropped without :meth:`HiCacheController.close` is collected, and its finalizer stops the workers.
 - Tensor parallelism: every rank runs the same tree logic; what differs between ranks is timing
   (how many copies have finished). Whenever a decision depends on timing, ranks agree by an
   all-reduce (MIN) over the given process group: always issued, whatever the local value, because a
@@ -19,6 +25,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,6 +60,9 @@ class CacheMetrics:
     writes_refused_host_full: int = 0
     load_backs: int = 0
     load_backs_skipped: int = 0
+    writes_failed: int = 0  # backups that raised (their nodes stay device-only)
+    loads_failed: int = 0  # load-backs that raised (their nodes go back to host-only)
+    copies_dropped: int = 0  # copies dropped unrun by close(drain=False)
     load_back_latency_s: list[float] = field(default_factory=list)
 
     @property
@@ -87,6 +98,54 @@ class _Op:
 _STOP = object()
 
 
+class CopyDropped(RuntimeError):
+    """The error a copy is acknowledged with when ``close(drain=False)`` dropped it before it ran."""
+
+
+class CopyError(RuntimeError):
+    """Copies failed. Raised by the tree's ack processing (``check_writes``, ``check_loads``, ``flush``,
+    ``close``) *after* it rolled the nodes of every failed copy back, so the cache is consistent.
+
+    Attributes
+    ----------
+    failures : ``(kind, node_id, error)`` per failed copy, ``kind`` ``"write"`` or ``"load"``; the
+        first error is also the exception's ``__cause__``.
+    """
+
+    def __init__(self, failures: list[tuple[str, int, BaseException]]) -> None:
+        self.failures = list(failures)
+        kind, node_id, error = self.failures[0]
+        more = f" (and {len(self.failures) - 1} more failed copies)" if len(self.failures) > 1 else ""
+        super().__init__(f"{kind} of node {node_id} failed: {error!r}{more}; its nodes were rolled back")
+
+
+def _stop_workers(*queues: queue.Queue) -> None:
+    """Finalizer and :meth:`HiCacheController.close`: one stop marker per worker queue (never blocks)."""
+    for q in queues:
+        q.put(_STOP)
+
+
+def _run_op(controller_ref: weakref.ref, op: _Op) -> bool:
+    """Run ``op`` on the controller if it still exists; False when it was collected. The strong
+    reference lives only in this frame, so a worker waiting for work keeps nothing alive."""
+    controller = controller_ref()
+    if controller is None:
+        return False
+    controller._run(op)
+    return True
+
+
+def _worker_loop(q: queue.Queue, controller_ref: weakref.ref) -> None:
+    """A worker thread: serves ``q`` until a stop marker, or until its controller is gone."""
+    while True:
+        op = q.get()
+        try:
+            if op is _STOP or not _run_op(controller_ref, op):
+                return
+        finally:
+            q.task_done()
+
+
 class HiCacheController:
     """Moves KV between ``device_pool`` and ``host_pool`` (see module docstring).
 
@@ -99,7 +158,8 @@ class HiCacheController:
     write_policy : ``write_through``, ``write_through_selective`` or ``write_back`` (used by the tree).
     tp_group : a ``torch.distributed`` process group whose ranks must take identical decisions, or None.
     threaded : run copies on worker threads (default). ``False`` runs each copy inline when queued,
-        which makes a run deterministic (tests, debugging).
+        which makes a run deterministic (tests, debugging); a failed inline copy is acknowledged with
+        its error, as on a worker.
     layer_wise : load layer by layer, ticking :attr:`layer_counter` (default); else all layers at once.
     """
 
@@ -145,16 +205,34 @@ class HiCacheController:
         self._write_queue: queue.Queue[Any] = queue.Queue()
         self._load_queue: queue.Queue[Any] = queue.Queue()
         self._pending_loads: list[_Op] = []
-        self._errors: list[BaseException] = []
+        # Copies submitted whose ack the tree has not taken yet, per kind: node id -> count.
+        self._outstanding: dict[str, Counter[int]] = {"write": Counter(), "load": Counter()}
         self._closed = False
         self._write_stream = torch.cuda.Stream(device=device_pool.device) if on_gpu else None
         self._load_stream = torch.cuda.Stream(device=device_pool.device) if on_gpu else None
         self._threads: list[threading.Thread] = []
+        self._finalizer: weakref.finalize | None = None
         if threaded:
+            # The threads get their queue and a weak reference only; the finalizer holds the queues only.
+            me = weakref.ref(self)
+            self._finalizer = weakref.finalize(self, _stop_workers, self._write_queue, self._load_queue)
             for name, q in (("hicache-write", self._write_queue), ("hicache-load", self._load_queue)):
-                t = threading.Thread(target=self._worker, args=(q,), name=name, daemon=True)
+                t = threading.Thread(target=_worker_loop, args=(q, me), name=name, daemon=True)
                 t.start()
                 self._threads.append(t)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (no new copy is accepted)."""
+        return self._closed
+
+    def outstanding(self, kind: str) -> Counter[int]:
+        """Node ids of the copies of ``kind`` (``"write"`` or ``"load"``) submitted and not yet taken by
+        :meth:`finished_writes` / :meth:`finished_loads` (queued, running, or acknowledged), with
+        their counts; a copy."""
+        if kind not in self._outstanding:
+            raise ValueError(f"kind: expected 'write' or 'load', got {kind!r}")
+        return Counter(self._outstanding[kind])
 
     # ------------------------------------------------------------------ agreement across TP ranks
     def agree_min(self, value: int) -> int:
@@ -170,8 +248,6 @@ class HiCacheController:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("HiCacheController is closed")
-        if self._errors:
-            raise RuntimeError("a HiCacheController worker failed") from self._errors[0]
 
     def _ready_event(self) -> Any:
         if not self.on_gpu:
@@ -192,6 +268,7 @@ class HiCacheController:
             return None
         self.host_pool.mark_writing(host_indices)
         op = _Op("write", device_indices, host_indices, [node_id], self._ready_event())
+        self._outstanding["write"][node_id] += 1
         self._submit(self._write_queue, op)
         return host_indices
 
@@ -201,14 +278,18 @@ class HiCacheController:
         self._check_open()
         self.host_pool.mark_loading(host_indices)
         self._pending_loads.append(_Op("load", device_indices, host_indices, [node_id]))
+        self._outstanding["load"][node_id] += 1
 
     def start_loading(self) -> int:
         """Merge the queued load-backs into one layer-by-layer batch and start it; returns the
         :attr:`layer_counter` generation to wait on (0 when nothing was queued)."""
         self._check_open()
+        return self._start_pending()
+
+    def _start_pending(self) -> int:
         if not self._pending_loads:
             return 0
-        pending, self._pending_loads = self._pending_loads, []
+        pending = self._pending_loads
         op = _Op(
             "load",
             torch.cat([p.device_indices for p in pending]),
@@ -216,7 +297,8 @@ class HiCacheController:
             [i for p in pending for i in p.node_ids],
             self._ready_event(),
         )
-        op.generation = self.layer_counter.start()
+        op.generation = self.layer_counter.start()  # may time out: then the loads stay pending
+        self._pending_loads = []
         self._submit(self._load_queue, op)
         return op.generation
 
@@ -224,20 +306,23 @@ class HiCacheController:
         if self.threaded:
             q.put(op)
         else:
-            self._execute(op)
+            self._run(op)
 
     # ------------------------------------------------------------------ workers
-    def _worker(self, q: queue.Queue) -> None:
-        while True:
-            op = q.get()
-            try:
-                if op is _STOP:
-                    return
-                self._execute(op)
-            except BaseException as exc:  # surfaced to the scheduler on its next call
-                self._errors.append(exc)
-            finally:
-                q.task_done()
+    def _run(self, op: _Op) -> None:
+        """Execute ``op`` and acknowledge it: with None when it completed, with its error when it raised
+        (a failed load batch is aborted on the layer counter first, so its consumers fail fast)."""
+        acks = self.ack_write_queue if op.kind == "write" else self.ack_load_queue
+        try:
+            self._execute(op)
+        except BaseException as exc:
+            if op.kind == "load" and op.generation in self.layer_counter.in_flight:
+                self.layer_counter.abort(op.generation, exc)
+            acks.put((op.node_ids, exc))
+            if not self.threaded and not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt on the caller's thread stays an interrupt
+            return
+        acks.put((op.node_ids, None))
 
     def _execute(self, op: _Op) -> None:
         if self.on_gpu:
@@ -251,28 +336,22 @@ class HiCacheController:
         stream = self._write_stream if op.kind == "write" else self._load_stream
         common = dict(layout=hp.layout, page_size=hp.page_size, backend=self.backend, stream=stream)
         start = time.perf_counter()
-        try:
-            if stream is not None and op.ready is not None:
-                stream.wait_event(op.ready)
-            if op.kind == "write":
-                ops.backup_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
-            elif self.layer_wise:
-                for layer in range(dp.num_layers):
-                    ops.load_layer(
-                        dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, layer_id=layer,
-                        **common,
-                    )  # fmt: skip
-                    self.layer_counter.layer_done(layer, stream, op.generation)
-            else:
-                ops.load_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
-                for layer in range(dp.num_layers):
-                    self.layer_counter.layer_done(layer, stream, op.generation)
-            if stream is not None:
-                stream.synchronize()  # the ack promises the data has landed
-        except BaseException as exc:
-            if op.kind == "load":  # its consumers must fail, not wait for layers that never come
-                self.layer_counter.abort(op.generation, exc)
-            raise
+        if stream is not None and op.ready is not None:
+            stream.wait_event(op.ready)
+        if op.kind == "write":
+            ops.backup_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+        elif self.layer_wise:
+            for layer in range(dp.num_layers):
+                ops.load_layer(
+                    dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, layer_id=layer, **common
+                )
+                self.layer_counter.layer_done(layer, stream, op.generation)
+        else:
+            ops.load_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+            for layer in range(dp.num_layers):
+                self.layer_counter.layer_done(layer, stream, op.generation)
+        if stream is not None:
+            stream.synchronize()  # the ack promises the data has landed
         if op.kind == "load":
             self.layer_counter.finish(op.generation)  # landed: release its events before the ack
         elapsed = time.perf_counter() - start
@@ -283,63 +362,95 @@ class HiCacheController:
             m.tokens_written += tokens
             m.bytes_written += nbytes
             m.write_time_s += elapsed
-            self.ack_write_queue.put(op.node_ids)
         else:
             m.tokens_loaded += tokens
             m.bytes_loaded += nbytes
             m.load_time_s += elapsed
-            self.ack_load_queue.put(op.node_ids)
 
     # ------------------------------------------------------------------ completions
-    def _finished(self, q: queue.Queue) -> list[int]:
-        self._check_open()
+    def _finished(self, q: queue.Queue, kind: str) -> list[tuple[int, BaseException | None]]:
+        # Works after close too: the owner must still take the acks of drained and dropped copies.
         n = self.agree_min(q.qsize())
-        out: list[int] = []
+        out: list[tuple[int, BaseException | None]] = []
+        outstanding = self._outstanding[kind]
         for _ in range(n):
-            out.extend(q.get_nowait())
+            node_ids, error = q.get_nowait()
+            for node_id in node_ids:
+                out.append((node_id, error))
+                outstanding[node_id] -= 1
+                if outstanding[node_id] <= 0:
+                    del outstanding[node_id]
         return out
 
-    def finished_writes(self) -> list[int]:
-        """Node ids whose backups completed on every rank (agreed count), in submission order."""
-        return self._finished(self.ack_write_queue)
+    def finished_writes(self) -> list[tuple[int, BaseException | None]]:
+        """Backups finished on every rank (agreed count), in submission order: ``(node_id, None)`` for a
+        completed one, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`).
+        Their host slots are still WRITING: the caller marks them synced, or aborts them."""
+        return self._finished(self.ack_write_queue, "write")
 
-    def finished_loads(self) -> list[int]:
-        """Node ids whose load-backs completed on every rank, in submission order."""
-        return self._finished(self.ack_load_queue)
+    def finished_loads(self) -> list[tuple[int, BaseException | None]]:
+        """Load-backs finished on every rank, in submission order, as :meth:`finished_writes`."""
+        return self._finished(self.ack_load_queue, "load")
 
     def flush(self) -> None:
-        """Wait until every queued copy has run (acks still need processing by the tree)."""
+        """Start the queued load-backs and wait until every queued copy has run (acks still need
+        processing by the tree)."""
         self._check_open()
-        if self._pending_loads:
-            self.start_loading()
+        self._start_pending()
         self._write_queue.join()
         self._load_queue.join()
-        self._check_open()
+
+    def _drop_queued(self, error: CopyDropped) -> None:
+        """Take every copy off the queues unrun and acknowledge it with ``error``; a dropped load batch
+        is aborted on the layer counter (its consumers get an error, not a timeout)."""
+        for q, acks in ((self._write_queue, self.ack_write_queue), (self._load_queue, self.ack_load_queue)):
+            while True:
+                try:
+                    op = q.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    if op is _STOP:
+                        continue
+                    if op.kind == "load":
+                        self.layer_counter.abort(op.generation, "controller closed")
+                    acks.put((op.node_ids, error))
+                finally:
+                    q.task_done()
 
     def close(self, drain: bool = True, timeout: float = 60.0) -> None:
-        """Stop the workers and join them. ``drain`` runs queued copies first; otherwise they are
-        dropped (their slots stay reserved: close the pools with the controller). Idempotent."""
-        if self._closed:
-            return
-        if not drain:
-            for q in (self._write_queue, self._load_queue):
-                while True:
-                    try:
-                        q.get_nowait()
-                        q.task_done()
-                    except queue.Empty:
-                        break
-            self._pending_loads.clear()
-        elif self._pending_loads and not self._errors:
-            self.start_loading()
-        if self._threads:  # one stop marker per worker; each worker owns one queue
-            self._write_queue.put(_STOP)
-            self._load_queue.put(_STOP)
+        """Stop accepting copies, stop the workers and join them; always releases the threads, also
+        after failed copies.
+
+        Parameters
+        ----------
+        drain : run every queued copy first (queued load-backs are started). ``False`` drops them
+            unrun: each is acknowledged with a :class:`CopyDropped` error (a dropped load batch is
+            aborted on :attr:`layer_counter`), so the owner can roll its nodes back. A copy already
+            running completes either way.
+        timeout : seconds to wait for each worker; ``RuntimeError`` when one is still running a copy
+            then (calling ``close`` again waits again).
+
+        Idempotent. Acks stay readable afterwards (:meth:`finished_writes`, :meth:`finished_loads`).
+        """
+        if not self._closed:
+            self._closed = True
+            dropped = CopyDropped("HiCacheController closed with drain=False: the copy was dropped unrun")
+            try:
+                if drain:
+                    self._start_pending()  # may time out waiting for a layer-counter slot
+                else:
+                    self._drop_queued(dropped)
+            finally:
+                for op in self._pending_loads:  # loads never started (drain=False, or start failed)
+                    self.ack_load_queue.put((op.node_ids, dropped))
+                self._pending_loads.clear()
+                if self._finalizer is not None:
+                    self._finalizer()  # the stop markers, queued behind what is still to run
         for t in self._threads:
             t.join(timeout)
             if t.is_alive():
                 raise RuntimeError(f"HiCacheController: worker {t.name} did not stop within {timeout} s")
-        self._closed = True
 
     def __enter__(self) -> HiCacheController:
         return self

@@ -10,7 +10,8 @@ that the cache controller drives while a backup (device -> host) or load-back (h
 flight::
 
     FREE --alloc--> RESERVED --mark_writing--> WRITING --mark_synced--> SYNCED
-    SYNCED --mark_loading--> LOADING --mark_synced--> SYNCED
+    WRITING --abort_write--> RESERVED  (the backup failed or was dropped: no valid data)
+    SYNCED --mark_loading--> LOADING --mark_synced--> SYNCED  (also when a load failed: data stays valid)
     RESERVED / SYNCED --free--> FREE
 
 Both allocators hand out whole pages (``page_size`` consecutive slots: page ``p`` is slots
@@ -199,6 +200,11 @@ class _PagedSlots:
         expected = " or ".join(s.name for s in sources)
         return f"{method}: {'; '.join(groups)} (expected {expected}); no slot was changed"
 
+    def states_of(self, slots: np.ndarray) -> np.ndarray:
+        """States of ``slots``: int64, in range, checked by the caller (no sort, no copy of the pool)."""
+        with self._lock:
+            return self._states[slots]
+
     def states(self, method: str, slots: torch.Tensor | None) -> torch.Tensor:
         with self._lock:
             if slots is None:
@@ -346,6 +352,12 @@ class DeviceKVPool:
     def is_allocated(self, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Bool tensor: whether each of ``slots`` (default: every slot) is allocated."""
         return self._slots.states("is_allocated", slots) != SlotState.FREE
+
+    def allocated_of(self, slots: np.ndarray) -> np.ndarray:
+        """Bool array: whether each of ``slots`` is allocated, for a caller that has already checked them
+        (an int64 numpy array inside ``[0, size)``): the per-call lookup, without the checks and the
+        sort of :meth:`is_allocated`."""
+        return self._slots.states_of(slots) != SlotState.FREE
 
     def available_size(self) -> int:
         """Free token slots."""
@@ -518,7 +530,8 @@ class HostKVPool:
         )
 
     def mark_synced(self, slots: torch.Tensor) -> None:
-        """``WRITING -> SYNCED`` (backup done) or ``LOADING -> SYNCED`` (load-back done)."""
+        """``WRITING -> SYNCED`` (backup done) or ``LOADING -> SYNCED`` (load-back done, or failed: a load
+        only reads the host slots, so their data stays valid)."""
         self._slots.transition(
             "mark_synced",
             slots,
@@ -528,6 +541,22 @@ class HostKVPool:
                 SlotState.FREE: "slot not allocated",
                 SlotState.RESERVED: "no backup was started",
                 SlotState.SYNCED: "no transfer in flight",
+            },
+        )
+
+    def abort_write(self, slots: torch.Tensor) -> None:
+        """``WRITING -> RESERVED``: the backup into ``slots`` failed or was dropped, so they hold no valid
+        data; the owner frees them (or retries)."""
+        self._slots.transition(
+            "abort_write",
+            slots,
+            (SlotState.WRITING,),
+            SlotState.RESERVED,
+            {
+                SlotState.FREE: "slot not allocated",
+                SlotState.RESERVED: "no backup was started",
+                SlotState.SYNCED: "its backup already completed (SYNCED)",
+                SlotState.LOADING: "a load from it is in flight",
             },
         )
 

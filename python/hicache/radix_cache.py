@@ -11,7 +11,9 @@ Invariants, checked by :meth:`HiRadixCache.verify`:
   *leaves* only, load-back and insert revive host-only nodes from the top;
 - a node with a copy in flight (backup or load-back) is locked (``lock_ref > 0``), so it is never
   evicted from either tier while its slots are WRITING/LOADING;
-- every device and host slot is either free in its pool or owned by exactly one node.
+- every device and host slot is either free in its pool or owned by exactly one node;
+- a host slot is WRITING / LOADING exactly while the controller has that backup / load-back (queued,
+  running or acknowledged but not processed), and each such copy holds one lock on its node.
 
 Write policies (the controller's ``write_policy``): ``write_through`` backs up each new node on
 insert; ``write_through_selective`` backs up a node when its hit count reaches
@@ -24,6 +26,12 @@ is skipped and returns None (the caller recomputes; counted in ``metrics.load_ba
 one shorter than ``load_back_threshold`` tokens or larger than the caller's budget; device eviction
 of a node with no host copy (and, under ``write_back``, no host room) deletes it.
 
+Errors: a bad argument raises (``TypeError`` / ``ValueError`` naming it) before anything changes.
+A failed copy is rolled back when its ack is processed (:mod:`hicache.copy_acks`), and that call
+(``check_writes``, ``check_loads``, ``flush``, ``close``, or ``evict`` under ``write_back``) then
+raises :class:`~hicache.controller.CopyError`. After :meth:`close`, every call that would change the
+tree raises ``RuntimeError``; :meth:`verify`, the size queries and ``dec_lock_ref`` still work.
+
 Timestamps are a logical clock, so tensor-parallel ranks that see the same requests order evictions
 identically.
 """
@@ -33,82 +41,23 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .controller import CacheMetrics, HiCacheController
+from .copy_acks import CopyAcks
+from .invariants import check_invariants
 from .policies import EvictionPolicy, get_policy
-from .pools import DeviceKVPool, HostKVPool, SlotState
+from .pools import DeviceKVPool, HostKVPool
+from .slot_check import TreeDeviceSlots
+from .tree import MatchResult, TreeNode, is_attached, subtree
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class TreeNode:
-    """One edge of the radix tree: ``key`` tokens and the slots that hold their KV."""
-
-    __slots__ = (
-        "id",
-        "parent",
-        "key",
-        "children",
-        "value",
-        "host_value",
-        "lock_ref",
-        "hit_count",
-        "last_access_time",
-        "creation_time",
-        "priority",
-    )
-
-    def __init__(self, node_id: int, parent: TreeNode | None, key: tuple[int, ...], clock: int) -> None:
-        self.id = node_id
-        self.parent = parent
-        self.key = key
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.value: torch.Tensor | None = None
-        self.host_value: torch.Tensor | None = None
-        self.lock_ref = 0
-        self.hit_count = 0
-        self.last_access_time = clock
-        self.creation_time = clock
-        self.priority = 0
-
-    @property
-    def evicted(self) -> bool:
-        """No device copy."""
-        return self.value is None
-
-    @property
-    def backuped(self) -> bool:
-        """Has a host copy (complete unless the node is locked by its backup)."""
-        return self.host_value is not None
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.id}, tokens={len(self.key)}, device={self.value is not None}, "
-            f"host={self.host_value is not None}, lock_ref={self.lock_ref})"
-        )
+__all__ = ["HiRadixCache", "MatchResult", "TreeNode"]
 
 
-@dataclass
-class MatchResult:
-    """What :meth:`HiRadixCache.match_prefix` found.
-
-    ``device_indices``: int64 device slots of the device-resident prefix (``len`` = device hit);
-    ``last_device_node``: the deepest matched node with a device copy (the root when none);
-    ``last_host_node``: the deepest matched node (device or host copy): pass it to ``load_back``;
-    ``host_hit_length``: tokens matched beyond the device prefix that only the host holds.
-    """
-
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    host_hit_length: int
-
-
-class HiRadixCache:
+class HiRadixCache(CopyAcks):
     """A two-tier radix cache (see module docstring).
 
     Parameters
@@ -159,14 +108,29 @@ class HiRadixCache:
         self.write_through_threshold = write_through_threshold
         self._ids = itertools.count(1)
         self._clock = 0
+        self._closed = False
         self.root = TreeNode(0, None, (), 0)
         self.root.lock_ref = 1  # never evicted
+        self._slots = TreeDeviceSlots(device_pool)
         self._inflight_writes: dict[int, tuple[TreeNode, torch.Tensor]] = {}
         self._inflight_loads: dict[int, tuple[TreeNode, torch.Tensor, float]] = {}
+        # Nodes whose load-back failed while others held them locked: device KV lost, dropped at the last unlock.
+        self._lost: dict[int, TreeNode] = {}
 
     @property
     def metrics(self) -> CacheMetrics:
         return self.controller.metrics
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called, or the controller was closed."""
+        return self._closed or self.controller.closed
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{method}: the HiRadixCache is closed")
+        if self.controller.closed:
+            raise RuntimeError(f"{method}: the HiRadixCache's controller is closed")
 
     # ------------------------------------------------------------------ helpers
     def _tick(self) -> int:
@@ -198,6 +162,8 @@ class HiRadixCache:
             upper.value, child.value = child.value[:at], child.value[at:]
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:at], child.host_value[at:]
+        if child.id in self._lost:
+            self._lost[upper.id] = upper
         child.parent.children[child.key[: self.page_size]] = upper
         child.key = child.key[at:]
         child.parent = upper
@@ -217,6 +183,22 @@ class HiRadixCache:
             yield child
             node, pos = child, pos + n
 
+    def _peek(self, key: tuple[int, ...]) -> tuple[list[tuple[TreeNode, int, int]], int]:
+        """What :meth:`_walk` would yield, without splitting: ``(node, start, tokens matched)`` per node,
+        and the matched length."""
+        node, pos, out = self.root, 0, []
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + self.page_size])
+            if child is None:
+                break
+            n = self._common(child.key, key[pos:])
+            out.append((child, pos, n))
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return out, pos
+
     def _touch(self, node: TreeNode) -> None:
         node.last_access_time = self._tick()
         node.hit_count += 1
@@ -231,11 +213,14 @@ class HiRadixCache:
     # ------------------------------------------------------------------ lookups and inserts
     def match_prefix(self, tokens: Any) -> MatchResult:
         """Longest cached prefix of ``tokens`` (a list or 1-D tensor of ints), page-aligned."""
+        self._check_open("match_prefix")
         key = self._page_key(tokens)
         device: list[torch.Tensor] = []
         last_device = last_host = self.root
         host_len = 0
         for node in self._walk(key):
+            if node.id in self._lost:
+                break  # its device KV is lost (failed load-back) and it has no usable copy until released
             self._touch(node)
             if node.value is not None:
                 device.append(node.value)
@@ -243,7 +228,7 @@ class HiRadixCache:
             else:
                 host_len += len(node.key)
             last_host = node
-        indices = torch.cat(device) if device else _EMPTY
+        indices = torch.cat(device) if device else torch.empty(0, dtype=torch.int64)
         m = self.metrics
         m.device_hit_tokens += len(indices)
         m.host_hit_tokens += host_len
@@ -251,24 +236,48 @@ class HiRadixCache:
         return MatchResult(indices, last_device, last_host, host_len)
 
     def insert(self, tokens: Any, device_indices: torch.Tensor, priority: int = 0) -> int:
-        """Insert ``tokens`` whose KV sits in ``device_indices`` (int64, one slot per token, page-aligned).
+        """Insert ``tokens`` whose KV sits in ``device_indices`` (one slot per token, page-aligned).
 
-        Returns how many leading tokens were already cached on the device: those slots of
-        ``device_indices`` stay the caller's (free them); the rest now belong to the tree. Host-only
-        nodes along the way are revived with the caller's slots (their host copy stays valid).
+        Parameters
+        ----------
+        tokens : a page-aligned list or 1-D tensor of token ids.
+        device_indices : 1-D integer tensor, allocated device slots, whole pages in order, no slot twice.
+            Where the tree already holds the tokens on the device, the slots may be the tree's own (as
+            ``match_prefix`` returned them) or the caller's; everywhere else they must be the caller's:
+            the tree takes them.
+
+        Returns
+        -------
+        How many leading tokens were already cached on the device: those slots of ``device_indices``
+        stay the caller's (free them unless they were the tree's); the rest now belong to the tree.
+        Host-only nodes along the way are revived with the caller's slots (their host copy stays valid).
+
+        Raises ``TypeError`` / ``ValueError`` naming ``device_indices`` (or ``RuntimeError`` after
+        :meth:`close`) before changing anything.
         """
+        self._check_open("insert")
         key = self._page_key(tokens)
-        if len(key) != len(tokens) or len(device_indices) != len(key):
+        if len(key) != len(tokens):
             raise ValueError(
-                f"device_indices: expected one slot per token of a page-aligned key (page_size {self.page_size}); "
-                f"got {len(tokens)} tokens and {len(device_indices)} slots"
+                f"tokens: expected a page-aligned key (a multiple of page_size {self.page_size}), got {len(tokens)}; "
+                "device_indices: one slot per token"
             )
-        device_indices = device_indices.to(torch.int64)
+        s = self._slots.check(device_indices, len(key))
+        matched, end = self._peek(key)
+        taken = np.zeros(len(key), dtype=bool)  # positions whose slots the tree takes
+        taken[end:] = True
+        for node, start, n in matched:
+            if node.value is None:
+                taken[start : start + n] = True
+        self._slots.check_unowned(s, taken)
+        # Checked: from here on nothing raises.
+        device_indices = torch.from_numpy(s)
         node, pos, duplicated = self.root, 0, 0
         for node in self._walk(key):
             n = len(node.key)
             if node.value is None:
                 node.value = device_indices[pos : pos + n].clone()
+                self._slots.take(node.value)
             else:
                 duplicated += n
             node.priority = max(node.priority, priority)
@@ -277,6 +286,7 @@ class HiRadixCache:
         if pos < len(key):
             new = TreeNode(next(self._ids), node, key[pos:], self._tick())
             new.value = device_indices[pos:].clone()
+            self._slots.take(new.value)
             new.priority = priority
             node.children[new.key[: self.page_size]] = new
             new.hit_count = 1
@@ -301,53 +311,19 @@ class HiRadixCache:
         while node is not self.root:
             node.lock_ref -= 1
             node = node.parent
-
-    # ------------------------------------------------------------------ backups and acks
-    def _backup(self, node: TreeNode) -> bool:
-        host = self.controller.write(node.value, node.id, count_refusal=False)
-        if host is None:
-            self.evict_host(len(node.value))
-            host = self.controller.write(node.value, node.id)
-        if host is None:
-            return False
-        node.host_value = host
-        self.inc_lock_ref(node)
-        self._inflight_writes[node.id] = (node, host)
-        return True
-
-    def check_writes(self) -> int:
-        """Process finished backups (agreed across TP ranks): host slots become SYNCED, nodes unlock."""
-        done = self.controller.finished_writes()
-        for node_id in done:
-            node, host = self._inflight_writes.pop(node_id)
-            self.host_pool.mark_synced(host)
-            self.dec_lock_ref(node)
-        return len(done)
-
-    def check_loads(self) -> int:
-        """Process finished load-backs: host slots back to SYNCED, nodes unlock, latency recorded."""
-        done = self.controller.finished_loads()
-        for node_id in done:
-            node, host, t0 = self._inflight_loads.pop(node_id)
-            self.host_pool.mark_synced(host)
-            self.dec_lock_ref(node)
-            self.metrics.load_back_latency_s.append(time.perf_counter() - t0)
-        return len(done)
+        if self._lost:
+            self._release_lost()
 
     def flush(self) -> None:
-        """Wait for every copy in flight and process the acks."""
+        """Wait for every copy in flight and process the acks (:class:`CopyError` for failed ones)."""
+        self._check_open("flush")
         self.controller.flush()
-        self.check_writes()
-        self.check_loads()
+        self._take_acks()
 
     # ------------------------------------------------------------------ eviction
     def _nodes(self, start: TreeNode | None = None):
         """Every node below ``start`` (default: the root), ``start`` itself excluded."""
-        stack = list((start or self.root).children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            yield node
+        return subtree(start or self.root)
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
         return node.value is not None and all(c.value is None for c in node.children.values())
@@ -356,19 +332,29 @@ class HiRadixCache:
         """Remove ``node`` and its subtree, freeing every slot they own (none may be in flight)."""
         for x in [node, *self._nodes(node)]:
             if x.value is not None:
-                self.device_pool.free(x.value)
+                self._slots.free(x.value)
             if x.host_value is not None:
                 self.host_pool.free(x.host_value)
                 self.metrics.host_evicted_tokens += len(x.key)
             x.value = x.host_value = None
         del node.parent.children[node.key[: self.page_size]]
 
+    def _drop_device(self, node: TreeNode) -> None:
+        """``node`` loses its device copy: host-only when backed up, else deleted (with its subtree)."""
+        if node.host_value is not None:
+            self._slots.free(node.value)
+            node.value = None
+        else:
+            self._delete(node)
+
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots if possible, least valuable device leaves first.
 
         Backed-up nodes keep their host copy and stay in the tree; others are written to the host
-        first under ``write_back``, else deleted. Returns the device slots freed.
+        first under ``write_back``, else deleted. Returns the device slots freed. Under ``write_back``,
+        :class:`CopyError` when a backup failed (nothing is evicted then).
         """
+        self._check_open("evict")
         heap = [(self.policy.key(n), n.id, n) for n in self._nodes() if self._is_device_leaf(n) and n.lock_ref == 0]
         heapq.heapify(heap)
         chosen: list[TreeNode] = []
@@ -389,21 +375,18 @@ class HiRadixCache:
                 for x in pending:
                     self._backup(x)
                 self.flush()  # write-back: the host copy must exist before the device copy goes
+                chosen = [x for x in chosen if x.value is not None]  # acks may have released lost subtrees
         freed = 0
         # Children before parents: a parent is only evictable once its device children are gone.
         for x in chosen:
-            n = len(x.value)
-            if x.host_value is not None:
-                self.device_pool.free(x.value)
-                x.value = None
-            else:
-                self._delete(x)
-            freed += n
+            freed += len(x.value)
+            self._drop_device(x)
         self.metrics.device_evicted_tokens += freed
         return freed
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host slots if possible by deleting host-only leaves."""
+        self._check_open("evict_host")
         heap = [
             (self.policy.key(n), n.id, n)
             for n in self._nodes()
@@ -429,7 +412,23 @@ class HiRadixCache:
         fewer than ``load_back_threshold`` tokens, more than ``mem_quota`` tokens, or more than the
         free plus evictable device slots (then nothing is evicted). The skip decision is agreed
         across TP ranks.
+
+        Raises (and changes nothing) ``TypeError`` / ``ValueError`` naming ``node`` or ``mem_quota``:
+        ``node`` must be a node of this tree still in it (a host eviction after the match may have
+        deleted it: match again); ``RuntimeError`` after :meth:`close`.
         """
+        self._check_open("load_back")
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node: expected a TreeNode (a MatchResult's last_host_node), got {type(node).__name__}")
+        if mem_quota is not None and (
+            isinstance(mem_quota, bool) or not isinstance(mem_quota, (int, np.integer)) or mem_quota < 0
+        ):
+            raise ValueError(f"mem_quota: expected None or a non-negative int of tokens, got {mem_quota!r}")
+        if not is_attached(self.root, node, self.page_size):
+            raise ValueError(
+                f"node: {node} is no longer in the tree (its host copy was evicted after the match); "
+                "match the tokens again"
+            )
         path: list[TreeNode] = []
         x = node
         while x is not self.root and x.value is None:
@@ -447,31 +446,41 @@ class HiRadixCache:
         # write-back's host eviction) the host-only nodes we are about to load.
         self.inc_lock_ref(node)
         device = None
-        available = self.device_pool.available_size()
-        # Evict only when that can make enough room: a load-back that cannot fit changes nothing.
-        if total <= available + (self.evictable_size() if total > available else 0):
-            device = self.device_pool.alloc(total)
-            if device is None:
-                self.evict(total - available)
+        try:
+            available = self.device_pool.available_size()
+            # Evict only when that can make enough room: a load-back that cannot fit changes nothing.
+            if total <= available + (self.evictable_size() if total > available else 0):
                 device = self.device_pool.alloc(total)
-        if not self.controller.agree_min(device is not None):
+                if device is None:
+                    self.evict(total - available)
+                    device = self.device_pool.alloc(total)
+            loading = self.controller.agree_min(device is not None)
+            if loading:
+                host = torch.cat([n.host_value for n in path])
+                self.controller.load(host, device, node.id)  # the lock taken above is released by its ack
+        except BaseException:
+            if device is not None:
+                self.device_pool.free(device)
+            self.dec_lock_ref(node)
+            raise
+        if not loading:
             if device is not None:
                 self.device_pool.free(device)
             self.dec_lock_ref(node)
             self.metrics.load_backs_skipped += 1
             return None
-        host = torch.cat([n.host_value for n in path])
+        self._slots.take(device)
         offset = 0
         for n in path:
             n.value = device[offset : offset + len(n.key)]
             offset += len(n.key)
-        self.controller.load(host, device, node.id)  # the lock taken above is released by its ack
         self._inflight_loads[node.id] = (node, host, t0)
         self.metrics.load_backs += 1
         return device
 
     def start_loading(self) -> int:
         """Start the queued load-backs as one layer-by-layer batch (see the controller)."""
+        self._check_open("start_loading")
         return self.controller.start_loading()
 
     # ------------------------------------------------------------------ state
@@ -487,43 +496,38 @@ class HiRadixCache:
         """Check every invariant of the module docstring; raises AssertionError naming the first broken.
 
         ``external_device``: device slots allocated outside the tree (e.g. held by running requests).
+        The tree's copies in flight are compared with the controller's: a controller that also serves
+        other callers fails this check.
         """
-        dev_owner = torch.zeros(self.device_pool.size, dtype=torch.int64)
-        host_owner = torch.zeros(self.host_pool.size, dtype=torch.int64)
-        if external_device is not None:
-            dev_owner.index_add_(0, external_device, torch.ones_like(external_device))
-        for n in self._nodes():
-            if n.value is None and n.host_value is None:
-                raise AssertionError(f"{n} holds its KV nowhere")
-            if len(n.key) == 0 or len(n.key) % self.page_size:
-                raise AssertionError(f"{n} has a key of {len(n.key)} tokens (page_size {self.page_size})")
-            if n.parent.children.get(n.key[: self.page_size]) is not n:
-                raise AssertionError(f"{n} is not its parent's child under its first page")
-            if n.lock_ref < 0 or (n.parent is not self.root and n.parent.lock_ref < n.lock_ref):
-                raise AssertionError(f"{n} has lock_ref {n.lock_ref} (parent {n.parent.lock_ref})")
-            if n.value is None and any(c.value is not None for c in n.children.values()):
-                raise AssertionError(f"{n} is evicted but a child is on the device")
-            for v, owner in ((n.value, dev_owner), (n.host_value, host_owner)):
-                if v is not None:
-                    if len(v) != len(n.key):
-                        raise AssertionError(f"{n} has {len(v)} slots for {len(n.key)} tokens")
-                    owner.index_add_(0, v, torch.ones_like(v))
-        if (dev_owner > 1).any() or (host_owner > 1).any():
-            raise AssertionError("a slot is owned by more than one node")
-        dev_free = ~self.device_pool.is_allocated()
-        host_free = self.host_pool.state() == SlotState.FREE
-        if not torch.equal(dev_owner == 1, ~dev_free):
-            bad = torch.nonzero((dev_owner == 1) == dev_free).flatten()[:5].tolist()
-            raise AssertionError(f"device slots {bad} are neither free nor owned by exactly one node")
-        if not torch.equal(host_owner == 1, ~host_free):
-            bad = torch.nonzero((host_owner == 1) == host_free).flatten()[:5].tolist()
-            raise AssertionError(f"host slots {bad} are neither free nor owned by exactly one node")
+        check_invariants(self, external_device)
 
-    def close(self) -> None:
-        """Drain copies in flight, process their acks and stop the controller (if built here)."""
-        if self._owns_controller and not self.controller._closed:
-            self.flush()
-            self.controller.close()
+    def close(self, drain: bool = True, timeout: float = 60.0) -> None:
+        """Stop the cache: afterwards no call changes the tree (they raise ``RuntimeError``).
+
+        Parameters
+        ----------
+        drain : wait for every queued copy (queued load-backs are started) and process its ack.
+            ``False`` drops the copies not yet running: their nodes are rolled back (a dropped backup
+            leaves its node device-only, a dropped load-back puts its nodes back to host-only) and a
+            dropped load batch fails its layer-counter waiters. Dropping needs closing the controller,
+            so it is refused (``ValueError``) for a controller passed in and still open.
+        timeout : seconds to wait for each worker thread of a controller built here.
+
+        The controller's threads are released whatever happened (failed copies included); then the
+        acks are processed, so no node stays locked by a copy and ``verify()`` holds. Raises
+        :class:`CopyError` at the end if a copy failed. Idempotent.
+        """
+        if not drain and not self._owns_controller and not self.controller.closed:
+            raise ValueError(
+                "drain: dropping queued copies closes the controller, and this cache did not build it; "
+                "close the controller (controller.close(drain=False)) first, or drain"
+            )
+        self._closed = True
+        if self._owns_controller:
+            self.controller.close(drain=drain, timeout=timeout)  # runs or drops what is queued, joins
+        elif drain and not self.controller.closed:
+            self.controller.flush()  # the controller stays open: it is not the cache's to close
+        self._take_acks()
 
     def __enter__(self) -> HiRadixCache:
         return self

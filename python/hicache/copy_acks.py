@@ -1,0 +1,119 @@
+"""The copies of a :class:`~hicache.radix_cache.HiRadixCache` in flight: starting backups, and
+processing the controller's acks, including the roll-back of failed and dropped copies.
+
+A completed backup makes its host slots SYNCED; a failed (or dropped) one frees them, and its node
+stays device-only. A completed load-back unlocks its nodes; a failed (or dropped) one leaves the host
+copy intact and makes the device copy *lost*: lost nodes no longer match, and as soon as nobody else
+holds them they go back to host-only, together with whatever device copies were inserted below them
+meanwhile (their prefix is gone). Failures, not drops, are then raised as :class:`CopyError`, after
+the roll-back, so the cache is consistent when the caller sees the error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from .controller import CopyDropped, CopyError
+from .tree import TreeNode, copy_chain, depth
+
+if TYPE_CHECKING:
+    from .radix_cache import HiRadixCache
+
+
+class CopyAcks:
+    """Mixin of :class:`~hicache.radix_cache.HiRadixCache`: its backups and ack processing (module
+    docstring). Uses the cache's ``controller``, pools, ``root``, ``_inflight_writes``,
+    ``_inflight_loads``, ``_lost`` and its device-slot record ``_slots``."""
+
+    def _backup(self: HiRadixCache, node: TreeNode) -> bool:
+        host = self.controller.write(node.value, node.id, count_refusal=False)
+        if host is None:
+            self.evict_host(len(node.value))
+            host = self.controller.write(node.value, node.id)
+        if host is None:
+            return False
+        node.host_value = host
+        self.inc_lock_ref(node)
+        self._inflight_writes[node.id] = (node, host)
+        return True
+
+    def _count_failure(self: HiRadixCache, kind: str, node: TreeNode, error: BaseException, failures: list) -> None:
+        m = self.metrics
+        if isinstance(error, CopyDropped):
+            m.copies_dropped += 1  # asked for by close(drain=False): rolled back, not an error
+        else:
+            if kind == "write":
+                m.writes_failed += 1
+            else:
+                m.loads_failed += 1
+            failures.append((kind, node.id, error))
+
+    def _take_writes(self: HiRadixCache, failures: list) -> int:
+        done = self.controller.finished_writes()
+        for node_id, error in done:
+            node, host = self._inflight_writes.pop(node_id)
+            if error is None:
+                self.host_pool.mark_synced(host)
+            else:  # the host copy is incomplete: drop it, the node keeps its device copy
+                for x in copy_chain(self.root, node, host):
+                    x.host_value = None
+                self.host_pool.abort_write(host)
+                self.host_pool.free(host)
+                self._count_failure("write", node, error, failures)
+            self.dec_lock_ref(node)
+        return len(done)
+
+    def _take_loads(self: HiRadixCache, failures: list) -> int:
+        done = self.controller.finished_loads()
+        for node_id, error in done:
+            node, host, t0 = self._inflight_loads.pop(node_id)
+            self.host_pool.mark_synced(host)  # a failed load only read them: the host copy stays valid
+            if error is None:
+                self.metrics.load_back_latency_s.append(time.perf_counter() - t0)
+            else:  # the device copy is garbage: lost, dropped once nobody else holds it (at the unlock below)
+                for x in copy_chain(self.root, node, host):
+                    self._lost[x.id] = x
+                self._count_failure("load", node, error, failures)
+            self.dec_lock_ref(node)
+        return len(done)
+
+    @staticmethod
+    def _raise(failures: list) -> None:
+        if failures:
+            raise CopyError(failures) from failures[0][2]
+
+    def check_writes(self: HiRadixCache) -> int:
+        """Process finished backups (agreed across TP ranks): host slots become SYNCED, nodes unlock.
+        Returns how many were processed; raises :class:`CopyError` after rolling back failed ones."""
+        failures: list = []
+        n = self._take_writes(failures)
+        self._raise(failures)
+        return n
+
+    def check_loads(self: HiRadixCache) -> int:
+        """Process finished load-backs: host slots back to SYNCED, nodes unlock, latency recorded.
+        Returns how many were processed; raises :class:`CopyError` after rolling back failed ones."""
+        failures: list = []
+        n = self._take_loads(failures)
+        self._raise(failures)
+        return n
+
+    def _take_acks(self: HiRadixCache) -> None:
+        failures: list = []
+        self._take_writes(failures)
+        self._take_loads(failures)
+        self._raise(failures)
+
+    def _release_lost(self: HiRadixCache) -> None:
+        """Drop the device copies of lost nodes nobody holds any more, and everything device-resident
+        below them (whose prefix is gone); deepest first, so parents go after their children."""
+        for x in sorted(self._lost.values(), key=lambda n: depth(self.root, n), reverse=True):
+            if x.lock_ref:
+                continue  # still in use: the lock's owner releases it later
+            for d in reversed(list(self._nodes(x))):  # children before parents; unlocked, as x is
+                if d.value is not None:
+                    self._drop_device(d)
+            self._slots.free(x.value)  # it has its host copy (the load's source)
+            x.value = None
+            del self._lost[x.id]

@@ -1,0 +1,78 @@
+"""The examples run as written: each in a subprocess, as a user would start it (on CPU, and on the
+GPU when there is one); and the quickstart's own check really fails on wrong KV."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hicache.controller as controller_module
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "hicache_quickstart.py"
+HANG_S = 600  # a hang detector for the subprocess, not a speed limit
+
+
+def run_quickstart(*args: str, **env: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(QUICKSTART), *args],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def check_output(out: str, io_backend: str) -> None:
+    assert f"io-backend: {io_backend}" in out
+    for line in (
+        "first request: device hit 0, host hit 0 of 256",
+        "evicted 256 device slots",
+        "second request: device hit 0, host hit 256",
+        "after load-back: device hit 256, host hit 0",
+        "tokens_written: 256",
+        "tokens_loaded: 256",
+        "load_backs: 1",
+        "OK: the KV loaded back is what was written",
+    ):
+        assert line in out, (line, out)
+
+
+@pytest.mark.parametrize("io_backend", ["direct", "triton"])
+def test_quickstart_runs_on_cpu(io_backend):
+    result = run_quickstart("--device", "cpu", "--io-backend", io_backend, TRITON_INTERPRET="1")
+    check_output(result.stdout, io_backend)
+    assert "cpu" in result.stdout and "pageable" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_smoke
+def test_quickstart_runs_on_the_gpu():
+    result = run_quickstart()  # as written: picks cuda, a pinned host pool and the kernel backend
+    check_output(result.stdout, "kernel")
+    assert "cuda" in result.stdout and "pinned" in result.stdout
+
+
+def test_quickstart_exits_nonzero_when_the_loaded_kv_differs(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("hicache_quickstart", QUICKSTART)
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    load_layer = controller_module.ops.load_layer
+
+    def corrupting(device_k, device_v, host, device_indices, host_indices, **kwargs):
+        load_layer(device_k, device_v, host, device_indices, host_indices, **kwargs)
+        if kwargs["layer_id"] == 2:
+            device_k[2, device_indices[:3]] += 1  # three tokens of layer 2's K land wrong
+
+    monkeypatch.setattr(controller_module.ops, "load_layer", corrupting)
+    assert quickstart.main(["--device", "cpu", "--io-backend", "direct"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "layer 2 K: 3 of 256 tokens differ" in out and "OK:" not in out
