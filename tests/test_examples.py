@@ -76,3 +76,19 @@ def test_quickstart_exits_nonzero_when_the_loaded_kv_differs(monkeypatch, capsys
     assert quickstart.main(["--device", "cpu", "--io-backend", "direct"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "layer 2 K: 3 of 256 tokens differ" in out and "OK:" not in out
+
+
+def readme_block(heading: str) -> str:
+    """The first ```python block after ``heading`` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n", text.index(heading)) + len("```python\n")
+    return text[start : text.index("```\n", start)]
+
+
+def test_readme_cache_example_runs_as_written(tmp_path):
+    script = tmp_path / "readme_cache_example.py"
+    script.write_text(readme_block("## Cache layer"))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S,
+                            cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "'load_backs': 1" in result.stdout and "'tokens_loaded': 256" in result.stdout, result.stdout
