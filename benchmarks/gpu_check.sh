@@ -3,6 +3,7 @@
 #
 #   stage 1 (must fit 5 minutes on an H200): build for the local arch -> info -> the gpu_smoke tests
 #           -> the bench points that decide targets 1-3 (bench --targets-core) -> targets
+#           -> host overhead per call (bench --host-overhead; CPU-side, seconds)
 #   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> compute-sanitizer
 #           memcheck on the smoke set -> pcie --quick -> bench --quick (interference, overlap, auto)
 #
@@ -12,11 +13,13 @@
 # for the whole script); a step that would start with less than 20 s left is not started. Results go
 # to OUT_DIR as they are made, and summary.txt is rewritten after every step, so a run cut short still
 # leaves what finished. Files (at most 8): gpu_check.log (every step's output), summary.txt, info.json,
-# bench_core.json, bench_quick.json, pcie.json.
+# bench_core.json, host_overhead.json, bench_quick.json, pcie.json. The summary ends with the targets
+# read from each bench JSON (host overhead: targets 7-11, shown, not a failed step).
 #
 # --dry-run: on a CPU machine, run every step's command with CPU stand-ins (sm_90 assumed; pytest steps
-# collect instead of running; the bench and pcie CLIs take their no-GPU paths; compute-sanitizer is only
-# looked up), so a wrong flag, a missing marker or a missing package shows before GPU time is spent.
+# collect instead of running; the bench and pcie CLIs take their no-GPU paths, --host-overhead times CPU
+# pools; compute-sanitizer is only looked up), so a wrong flag, a missing marker or a missing package
+# shows before GPU time is spent.
 # Exit status: 0 when every step that ran passed (in a dry run: when every step would start).
 #
 # Needs: python3 with torch (CUDA), triton, pybind11, ninja, nvidia-ml-py, pytest, pytest-timeout,
@@ -30,7 +33,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --stage) STAGE=${2:?--stage needs 1, 2 or all}; shift ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
-    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -113,6 +116,7 @@ if [ "$STAGE" != 2 ]; then
   step gpu-smoke 150 "${PYTEST[@]}" -rf --timeout=60 "${SMOKE[@]}"
   step bench-core 120 $PY -m hicache_kernels.bench --targets-core --refcheck --json "$OUT/bench_core.json"
   step targets 20 $PY -m hicache_kernels.targets "$OUT/bench_core.json"
+  step host-overhead 60 $PY -m hicache_kernels.bench --host-overhead --calls 500 --json "$OUT/host_overhead.json"
 fi
 if [ "$STAGE" != 1 ]; then
   step gpu-tests 240 "${PYTEST[@]}" -rf -m gpu --maxfail=30 --timeout=60 tests
@@ -132,7 +136,7 @@ fi
 write_summary
 {
   cat "$SUMMARY"
-  for f in bench_core bench_quick; do
+  for f in bench_core host_overhead bench_quick; do
     if [ -s "$OUT/$f.json" ]; then
       echo
       echo "Targets read from $f.json:"

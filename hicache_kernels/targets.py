@@ -11,6 +11,17 @@ threshold, and pass / MISS / n/a (not measured in that run). The targets (an H20
 5. GEMM slowdown beside a kernel-backend transfer <= 5%;
 6. layer-wise overlapped load <= 1.05 x compute-only when the transfer takes no longer than compute.
 
+Host overhead, read from ``python -m hicache_kernels.bench --host-overhead`` (a no-op io-backend, so
+only the Python side is timed; medians, in microseconds; rows with ``check_indices=True``, which on a
+GPU include the index check's device sync, are reported by the bench but not judged):
+
+7. <= 10 us per eager op call (``ops.backup_layer`` ... ``ops.load_all_layers``), every pool;
+8. <= 10 us per sgl-kernel compat call, every pool;
+9. <= 25 us per call through the custom op (``torch.ops.hicache_kernels.backup`` / ``load``);
+10. layer-wise load of a 61-layer pool: <= 25 us of host time per layer;
+11. not growing with the number of layers: the 61-layer pool's time per call over the 3-layer pool's
+    of the same kind (MLA), same path, op and index checking, <= 1.5.
+
 Points are compared only with points of the same transfer (model, op, layout, page size, pages). A
 ``batch`` measurement that fell back to ``direct`` in any of its runs (``batch_fallback``) fails the
 targets that compare against it (3 and 4), and the row names the fallback.
@@ -39,9 +50,18 @@ T2_MIN_RATIO = 10.0
 T3_MAX_FRAGMENT_BYTES = 4096
 T3_MIN_RATIO = 2.0
 T4_MAX_RATIO = 1.05
+# The host-overhead targets (7-11): microseconds of host time, and the growth from 3 to 61 layers.
+H_EAGER_MAX_US = 10.0
+H_COMPAT_MAX_US = 10.0
+H_CUSTOM_OP_MAX_US = 25.0
+H_LAYERWISE_MAX_US = 25.0
+H_LAYERWISE_LAYERS = 61
+H_GROWTH_MAX = 1.5
+H_JUDGED_CHECK_INDICES = False  # judged rows: check_indices False (compat: none, it does not check)
 # The exit statuses of main() (module docstring).
 EXIT_OK, EXIT_MISS, EXIT_REFUSED = 0, 1, 2
 FUNCTIONAL_CHECK_MODE = "cpu-functional-check"  # bench's no-GPU run: no figures
+HOST_OVERHEAD_MODE = "host-overhead"  # bench --host-overhead: host-overhead points only
 
 
 def in_target1(p: dict[str, Any]) -> bool:
@@ -180,13 +200,60 @@ def evaluate(doc: dict[str, Any]) -> list[dict[str, Any]]:
     note = "" if worst_over or not over else "transfer took longer than compute: target does not apply"
     rows.append(_row("overlapped load / compute-only", None if worst_over is None else worst_over["overlap_ratio"],
                      "<= 1.05", None if worst_over is None else worst_over["overlap_ratio"] <= 1.05, note))  # fmt: skip
+    return rows + host_overhead_rows(pts)
+
+
+def _host_where(p: dict[str, Any]) -> str:
+    check = "" if p.get("check_indices") is None else f" check_indices={p['check_indices']}"
+    return f"{p['path']} {p['op']} {p['pool']} ({p['num_layers']} layers){check}"
+
+
+def host_overhead_rows(pts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Targets 7-11 (module docstring): the worst median over the points each covers, and where."""
+    host = [p for p in pts if p.get("kind") == "host_overhead"]
+    judged = [p for p in host if p.get("check_indices") in (None, H_JUDGED_CHECK_INDICES)]
+    rows = []
+
+    def worst_row(name: str, sel: list[dict[str, Any]], limit: float) -> None:
+        worst = max(sel, key=lambda p: p["median_us"], default=None)
+        measured = None if worst is None else worst["median_us"]
+        rows.append(_row(name, measured, f"<= {limit:g} us", None if worst is None else measured <= limit,
+                         "" if worst is None else _host_where(worst)))  # fmt: skip
+
+    check = f"check_indices={H_JUDGED_CHECK_INDICES}"
+    worst_row(f"host us per eager op call, {check}", [p for p in judged if p["path"] == "eager"], H_EAGER_MAX_US)
+    worst_row("host us per compat call", [p for p in judged if p["path"] == "compat"], H_COMPAT_MAX_US)
+    worst_row(f"host us per custom-op call, {check}", [p for p in judged if p["path"] == "custom_op"],
+              H_CUSTOM_OP_MAX_US)  # fmt: skip
+    worst_row(f"layer-wise load of a {H_LAYERWISE_LAYERS}-layer pool, host us per layer, {check}",
+              [p for p in judged if p["path"] == "layerwise" and p["num_layers"] == H_LAYERWISE_LAYERS],
+              H_LAYERWISE_MAX_US)  # fmt: skip
+
+    # 11. The same call on pools of one kind that differ in layers: the most layers over the fewest.
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for p in host:
+        if p["path"] != "layerwise":  # already per layer
+            groups[(p["path"], p["op"], p.get("check_indices"), p.get("mla"))].append(p)
+    worst, worst_ratio = None, None
+    for members in groups.values():
+        most = max(members, key=lambda p: p["num_layers"])
+        fewest = min(members, key=lambda p: p["num_layers"])
+        if most["num_layers"] == fewest["num_layers"] or fewest["median_us"] <= 0:
+            continue
+        ratio = most["median_us"] / fewest["median_us"]
+        if worst_ratio is None or ratio > worst_ratio:
+            worst, worst_ratio = (most, fewest), ratio
+    where = "" if worst is None else f"{_host_where(worst[0])} / {worst[1]['pool']} ({worst[1]['num_layers']} layers)"
+    rows.append(_row(f"host time, {H_LAYERWISE_LAYERS}-layer / 3-layer pool (eager, custom op, compat)", worst_ratio,
+                     f"<= {H_GROWTH_MAX:g}", None if worst_ratio is None else worst_ratio <= H_GROWTH_MAX,
+                     where))  # fmt: skip
     return rows
 
 
 def load_bench_result(path: str) -> dict[str, Any]:
     """The bench JSON at ``path``. ValueError, one line, when it cannot be read, is not JSON, is not a
     bench result, is a run whose link check failed, or is malformed (bench's own validation)."""
-    from .bench import validate_bench_json
+    from .bench.results import validate_bench_json
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -205,7 +272,7 @@ def load_bench_result(path: str) -> dict[str, Any]:
         why = f"meta.tool is {tool!r}" if tool is not None else "it has no meta.tool"
         raise ValueError(f"not a bench result ({why}); expected a JSON written by python -m hicache_kernels.bench "
                          "--json")  # fmt: skip
-    if doc.get("mode", FUNCTIONAL_CHECK_MODE) != FUNCTIONAL_CHECK_MODE:
+    if doc.get("mode", FUNCTIONAL_CHECK_MODE) not in (FUNCTIONAL_CHECK_MODE, HOST_OVERHEAD_MODE):
         raise ValueError(f"unknown bench mode {doc['mode']!r}")
     refused = link_check_failure(doc)
     if refused is not None:
@@ -219,8 +286,7 @@ def load_bench_result(path: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hicache_kernels.targets`` (also ``hicache-targets``); returns the exit status."""
-    from .bench import OneLineParser
-    from .benchutil import format_table
+    from .benchutil import OneLineParser, format_table
 
     parser = OneLineParser(prog="python -m hicache_kernels.targets", description=__doc__.splitlines()[0])
     parser.add_argument("bench_json", help="a JSON written by python -m hicache_kernels.bench --json")
@@ -238,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if doc.get("mode") == FUNCTIONAL_CHECK_MODE:
             print(f"targets: {args.bench_json} is the bench's no-GPU functional check: no figures, every target n/a")
+        elif doc.get("mode") == HOST_OVERHEAD_MODE:
+            print(f"targets: {args.bench_json} is a bench --host-overhead run: only the host-overhead targets apply")
         cols = [("target", "target"), ("measured", "measured"), ("threshold", "threshold"), ("status", "status"),
                 ("worst_at", "worst at")]  # fmt: skip
         print(format_table(rows, cols))

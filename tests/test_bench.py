@@ -13,6 +13,8 @@ import torch
 
 from hicache_kernels import bench, benchutil, targets
 from hicache_kernels.backends import AutoBackend, BatchBackend, IOBackend
+from hicache_kernels.bench import memory as bench_memory
+from hicache_kernels.bench import sweep as bench_sweep
 
 
 class FakeTimer:
@@ -53,7 +55,7 @@ def test_no_gpu_mode_runs_the_functional_check(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
     assert "no-GPU functional check" in proc.stdout and proc.stdout.splitlines()[-1].startswith(
-        "targets: 0 pass, 0 MISS, 7 n/a"
+        "targets: 0 pass, 0 MISS, 12 n/a"
     )
     doc = json.loads(out.read_text())
     assert doc["mode"] == "cpu-functional-check" and doc["points"] == []
@@ -135,6 +137,11 @@ CUSTOM = ["--preset", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim"
         (["--sm-sweep", "1,0"], "--sm-sweep: expected integers >= 1, got 0"),
         (["--tune-auto", "--backends", "kernel,triton"], "--tune-auto: compares the kernel with a copy engine"),
         (["--num-pages", str(10**12)], "--num-pages: up to 128,000,000,000,000 tokens a point"),
+        (["--calls", "5"], "--calls: counts --host-overhead's calls; it needs --host-overhead"),
+        (["--host-overhead", "--calls", "0"], "--calls: expected an integer >= 1, got 0"),
+        (["--host-overhead", "--page-sizes", "16"], "--page-sizes: an option of the transfer sweep"),
+        (["--host-overhead", "--refcheck"], "--refcheck: an option of the transfer sweep"),
+        (["--host-overhead", "--quick"], "argument --quick: not allowed with argument --host-overhead"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_naming_the_argument(argv, message, capsys):
@@ -159,13 +166,13 @@ def test_the_memory_refusal_names_the_size(monkeypatch, capsys):
     small = [*CUSTOM, "--page-sizes", "1,16", "--backends", "direct"]
     args = bench.parse_args([*small, "--tokens", "64"])
     host, _ = bench.run_memory(args, bench.plan_sweep(args))
-    monkeypatch.setattr(bench, "host_memory", lambda field: host if field == "MemTotal" else None)
+    monkeypatch.setattr(bench_memory, "host_memory", lambda field: host if field == "MemTotal" else None)
     bench.parse_args([*small, "--tokens", "64"])  # exactly fits
     with pytest.raises(SystemExit):
         bench.parse_args([*small, "--tokens", "65"])
     err = capsys.readouterr().err
     assert "--tokens: up to 65 tokens a point" in err and "of pinned host memory, more than the" in err
-    assert bench._size(host) in err
+    assert benchutil.format_bytes(host, 1) in err
 
 
 def test_run_memory_counts_what_the_sweep_allocates():
@@ -434,16 +441,23 @@ class StreamSpy(IOBackend):
         return getattr(self.inner, attr)
 
 
-def test_every_point_and_its_ceiling_run_on_the_timer_stream(fake_cuda, monkeypatch):
+def spy_on_streams(monkeypatch) -> list:
+    """(current stream, plan's stream) at every prepare and issue of every point (StreamSpy) and at
+    every ceiling copy (its plan's stream: None)."""
     seen = []
-    real_backend, real_ceiling = bench._backend_object, bench.ceiling_fn
-    monkeypatch.setattr(bench, "_backend_object", lambda spec: StreamSpy(real_backend(spec), seen))
+    real_backend, real_ceiling = bench_sweep._backend_object, bench_sweep.ceiling_fn
+    monkeypatch.setattr(bench_sweep, "_backend_object", lambda spec: StreamSpy(real_backend(spec), seen))
 
     def ceiling(*args, **kwargs):
         copy = real_ceiling(*args, **kwargs)
         return lambda: (seen.append((torch.cuda.current_stream(), None)), copy())
 
-    monkeypatch.setattr(bench, "ceiling_fn", ceiling)
+    monkeypatch.setattr(bench_sweep, "ceiling_fn", ceiling)
+    return seen
+
+
+def test_every_point_and_its_ceiling_run_on_the_timer_stream(fake_cuda, monkeypatch):
+    seen = spy_on_streams(monkeypatch)
     specs = custom_specs("direct,batch")
     points = bench.run_sweep(specs, device=torch.device("cpu"), timer=benchutil.CudaEventTimer("side"),
                              repeats=2, warmup=1, tokens=8, pin=False, refcheck=True)  # fmt: skip
@@ -528,10 +542,10 @@ def gpu_main(monkeypatch, fake_cuda):
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: "side")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (GPU_FREE_BYTES, 141 << 30))
     monkeypatch.setattr(_env, "_nvml", lambda: (FakeNvml(), "ok"))
-    real_sweep, real_backend = bench.run_sweep, bench._backend_object
+    real_sweep, real_backend = bench_sweep.run_sweep, bench_sweep._backend_object
     cpu = {"device": torch.device("cpu"), "pin": False}
-    monkeypatch.setattr(bench, "run_sweep", lambda specs, **kw: real_sweep(specs, **{**kw, **cpu}))
-    monkeypatch.setattr(bench, "_backend_object",
+    monkeypatch.setattr(bench_sweep, "run_sweep", lambda specs, **kw: real_sweep(specs, **{**kw, **cpu}))
+    monkeypatch.setattr(bench_sweep, "_backend_object",
                         lambda spec: DirectBackend() if spec.backend == "kernel" else real_backend(spec))  # fmt: skip
     return fake_cuda
 
@@ -548,7 +562,7 @@ GPU_FREE_BYTES = 140 << 30  # what the faked H200 reports free (gpu_main)
     ],
 )
 def test_a_gpu_bounds_sm_budgets_and_device_memory(gpu_main, monkeypatch, argv, message, capsys):
-    monkeypatch.setattr(bench, "host_memory", lambda field: 1 << 50, raising=False)  # only the GPU refuses here
+    monkeypatch.setattr(bench_memory, "host_memory", lambda field: 1 << 50, raising=False)  # only the GPU refuses here
     bench.parse_args(["--sm-budget", "132", "--sm-sweep", "1,132"])  # every SM is allowed
     with pytest.raises(SystemExit) as exit_:
         bench.parse_args(argv)
@@ -581,7 +595,7 @@ def test_main_on_a_gpu_checks_the_link_and_writes_what_targets_reads(gpu_main, t
     proc = subprocess.run([sys.executable, "-m", "hicache_kernels.targets", str(out), "--json"], capture_output=True,
                           text=True)  # fmt: skip
     rows = json.loads(proc.stdout)
-    assert [r["status"] != "n/a" for r in rows] == [True] * 4 + [False] * 3  # targets 1 (both ways), 2, 3
+    assert [r["status"] != "n/a" for r in rows] == [True] * 4 + [False] * 8  # targets 1 (both ways), 2, 3
 
 
 def test_main_on_a_gpu_refuses_a_ceiling_above_the_link(gpu_main, tmp_path, capsys):
@@ -643,7 +657,7 @@ class AutoPicksBatch(AutoBackend):
 
 @pytest.mark.parametrize(("backend", "make"), [("batch", FirstRunFallsBack), ("auto", AutoPicksBatch)])
 def test_a_fallback_in_any_run_marks_the_point(monkeypatch, backend, make):
-    monkeypatch.setattr(bench, "_backend_object", lambda spec: make())
+    monkeypatch.setattr(bench_sweep, "_backend_object", lambda spec: make())
     specs = [s for s in custom_specs(backend) if s.page_size == 1 and s.direction == "load_all"]
     points = bench.run_sweep(specs, device=torch.device("cpu"), timer=FakeTimer([1.0]), repeats=3, warmup=1,
                              tokens=8, pin=False)  # fmt: skip
@@ -706,7 +720,7 @@ def test_targets_core_plan_is_exactly_what_targets_1_to_3_read(preset):
     want |= {("batch", o, lo, p, None) for o in ops for lo in lays for p in pages if model.item_bytes * p <= 4096}
     assert got == want and len(specs) == len(want)
     rows = targets.evaluate({"points": fabricated_points(specs)})
-    assert [r["status"] for r in rows] == ["pass"] * 4 + ["n/a"] * 3, rows  # targets 1 (both ways), 2, 3
+    assert [r["status"] for r in rows] == ["pass"] * 4 + ["n/a"] * 8, rows  # targets 1 (both ways), 2, 3
     # Every kernel page size counts for target 1: a slow one shows.
     slow = fabricated_points(specs)
     for p in slow:
@@ -759,15 +773,7 @@ def test_estimate_counts_bytes_and_copy_engine_fragments():
 
 @pytest.mark.gpu
 def test_points_and_ceilings_run_on_the_timer_stream_on_gpu(monkeypatch):
-    seen = []
-    real_backend, real_ceiling = bench._backend_object, bench.ceiling_fn
-    monkeypatch.setattr(bench, "_backend_object", lambda spec: StreamSpy(real_backend(spec), seen))
-
-    def ceiling(*args, **kwargs):
-        copy = real_ceiling(*args, **kwargs)
-        return lambda: (seen.append((torch.cuda.current_stream(), None)), copy())
-
-    monkeypatch.setattr(bench, "ceiling_fn", ceiling)
+    seen = spy_on_streams(monkeypatch)
     side = torch.cuda.Stream()
     specs = custom_specs("kernel,direct,batch")
     points = bench.run_sweep(specs, device=torch.device("cuda"), timer=benchutil.CudaEventTimer(side), repeats=2,

@@ -99,6 +99,14 @@ def test_bad_arguments_name_the_flag(args: list[str], flag: str) -> None:
     assert pcie.main(args) == 2
 
 
+def test_malformed_numbers_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        pcie.main(["--repeats", "many"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("python -m hicache_kernels.pcie: error: argument --repeats: invalid int value")
+
+
 # ------------------------------------------------------------------------------------------ planning
 
 
@@ -407,7 +415,7 @@ def test_json_and_csv_outputs(tmp_path: Path) -> None:
     points = fake_points()
     args = pcie.parse_args(["--json", str(tmp_path / "out/p.json"), "--csv", str(tmp_path / "out/p.csv")])
     meta = benchutil.run_meta("pcie", vars(args))
-    written = pcie._write_outputs(args, meta, points, mode="gpu", link={"max_gbps": 63.02})
+    written = benchutil.write_outputs(args.json, args.csv, meta, points, mode="gpu", link={"max_gbps": 63.02})
     assert len(written) == 2
     report = json.loads((tmp_path / "out/p.json").read_text())
     assert report["mode"] == "gpu" and report["meta"]["tool"] == "pcie" and len(report["points"]) == len(points)
@@ -466,8 +474,8 @@ def test_main_gpu_path_with_fakes(
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(benchutil, "CudaEventTimer", lambda stream=None: FakeTimer(0.25))
-    monkeypatch.setattr(pcie, "LinkBench", FakeBench)
-    monkeypatch.setattr(pcie, "kernel_unavailable", lambda i: kernel_reason)
+    monkeypatch.setattr(pcie.gpu, "LinkBench", FakeBench)
+    monkeypatch.setattr(pcie.gpu, "kernel_unavailable", lambda i: kernel_reason)
     monkeypatch.setattr(_env, "_nvml", lambda: (FakeNvml(), "ok"))
     FakeBench.made.clear()
     out = tmp_path / "p.json"

@@ -59,7 +59,7 @@ def test_all_targets_pass():
     pts.append({"kind": "interference", "backend": "kernel", "slowdown": 0.02})
     pts.append({"kind": "overlap", "overlap_ratio": 1.01, "transfer_le_compute": True})
     rows = evaluate({"points": pts})
-    assert [r["status"] for r in rows] == ["pass"] * 7, rows
+    assert [r["status"] for r in rows] == ["pass"] * 7 + ["n/a"] * 5, rows  # no host-overhead points
     by = {r["target"]: r for r in rows}
     assert by["kernel / copy-engine ceiling, h2d, items >= 512 B, <= 4 SMs"]["measured"] == 1 / 1.05
 
@@ -101,15 +101,15 @@ def test_small_items_and_slow_transfers_are_outside_the_targets():
 def test_cli(tmp_path):
     proc = targets_cli(tmp_path, bench_doc([point("kernel", 1.0)]))
     assert proc.returncode == 0 and "kernel / copy-engine ceiling" in proc.stdout and "pass" in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "targets: 1 pass, 0 MISS, 6 n/a (not measured in this run, not a miss)"
+    assert proc.stdout.splitlines()[-1] == "targets: 1 pass, 0 MISS, 11 n/a (not measured in this run, not a miss)"
     proc = targets_cli(tmp_path, bench_doc([point("kernel", 1.0)]), "--json")
-    assert proc.returncode == 0 and len(json.loads(proc.stdout)) == 7
+    assert proc.returncode == 0 and len(json.loads(proc.stdout)) == 12
 
 
 def test_cli_exits_1_when_a_target_is_missed(tmp_path):
     proc = targets_cli(tmp_path, bench_doc([point("kernel", 1.0), point("kernel", 2.0, page=64)]))  # 0.5 of ceiling
     assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
-    assert "MISS" in proc.stdout and proc.stdout.splitlines()[-1].startswith("targets: 0 pass, 1 MISS, 6 n/a")
+    assert "MISS" in proc.stdout and proc.stdout.splitlines()[-1].startswith("targets: 0 pass, 1 MISS, 11 n/a")
     proc = targets_cli(tmp_path, bench_doc([point("kernel", 2.0)]), "--json")
     assert proc.returncode == 1 and [r["status"] for r in json.loads(proc.stdout)][:2] == ["n/a", "MISS"]
 
@@ -228,3 +228,89 @@ def test_a_run_whose_link_check_failed_is_refused(tmp_path):
     for check in ({"made": False, "passed": None, "note": "not made: NVML unavailable"}, {"passed": True}):
         by = rows_by_target({"meta": {"link_check": check}, "points": [point("kernel", 1.0)]})
         assert by["kernel / copy-engine ceiling, h2d, items >= 512 B, <= 4 SMs"]["status"] == "pass"
+
+
+# ---------------------------------------------------------------------------------------------- host overhead
+def host_point(path, op, pool, layers, us, check=False, mla=True):
+    """A host_overhead point as bench --host-overhead writes it (microseconds per call)."""
+    return {"kind": "host_overhead", "path": path, "op": op, "pool": pool, "num_layers": layers, "mla": mla,
+            "check_indices": None if path == "compat" else check, "median_us": us, "p90_us": us * 1.1,
+            "calls": 100, "backend": "noop"}  # fmt: skip
+
+
+def host_points(eager=4.0, compat=3.0, custom=12.0, per_layer=5.0, deep_factor=1.2, checked=40.0):
+    """The rows of a host-overhead run: a 3-layer MHA and MLA pool and deepseek-v3's 61-layer MLA one;
+    the 61-layer pool's calls take ``deep_factor`` times the 3-layer MLA pool's; index-checked calls
+    take ``checked`` us."""
+    pts = []
+    for pool, layers, mla in (("mha-3layer", 3, False), ("mla-3layer", 3, True), ("deepseek-v3", 61, True)):
+        f = deep_factor if layers == 61 else 1.0
+        for op in ("backup_layer", "load_all_layers"):
+            pts.append(host_point("eager", op, pool, layers, eager * f, mla=mla))
+            pts.append(host_point("custom_op", op, pool, layers, custom * f, mla=mla))
+            pts.append(host_point("eager", op, pool, layers, checked, check=True, mla=mla))
+        pts.append(host_point("compat", "transfer_kv_direct", pool, layers, compat * f, mla=mla))
+        pts.append(host_point("layerwise", f"load_layer x {layers}", pool, layers, per_layer, mla=mla))
+    return pts
+
+
+HOST_ROWS = ("host us per eager op call, check_indices=False", "host us per compat call",
+             "host us per custom-op call, check_indices=False",
+             "layer-wise load of a 61-layer pool, host us per layer, check_indices=False",
+             "host time, 61-layer / 3-layer pool (eager, custom op, compat)")  # fmt: skip
+
+
+def test_host_overhead_targets_pass():
+    rows = evaluate({"points": host_points()})
+    assert [r["status"] for r in rows] == ["n/a"] * 7 + ["pass"] * 5, rows
+    by = {r["target"]: r for r in rows}
+    assert tuple(by)[7:] == HOST_ROWS
+    eager = by[HOST_ROWS[0]]
+    assert eager["measured"] == pytest.approx(4.8) and "deepseek-v3 (61 layers)" in eager["worst_at"]
+    assert by[HOST_ROWS[3]]["measured"] == 5.0  # only the 61-layer pool's layer-wise load counts
+    assert by[HOST_ROWS[4]]["measured"] == pytest.approx(1.2)  # 61 layers over 3, MLA pools only
+
+
+@pytest.mark.parametrize(
+    ("kw", "row", "measured"),
+    [
+        ({"eager": 10.5}, HOST_ROWS[0], 10.5 * 1.2),
+        ({"compat": 9.0}, HOST_ROWS[1], 9.0 * 1.2),
+        ({"custom": 21.0}, HOST_ROWS[2], 21.0 * 1.2),
+        ({"per_layer": 26.0}, HOST_ROWS[3], 26.0),
+        ({"deep_factor": 2.0}, HOST_ROWS[4], 2.0),
+    ],
+)
+def test_host_overhead_targets_miss(kw, row, measured):
+    by = rows_by_target({"points": host_points(**kw)})
+    assert (by[row]["status"], by[row]["measured"]) == ("MISS", pytest.approx(measured)), by[row]
+    assert [r["status"] for t, r in by.items() if t in HOST_ROWS and t != row] == ["pass"] * 4
+    assert "deepseek-v3 (61 layers)" in by[row]["worst_at"]
+
+
+def test_host_overhead_targets_judge_unchecked_calls_only():
+    """check_indices=True calls (on a GPU: a device sync) are reported, not judged; a slow 3-layer
+    layer-wise load is not the 61-layer target's."""
+    pts = host_points(checked=500.0)
+    pts.append(host_point("layerwise", "load_layer x 3", "mla-3layer", 3, 100.0))
+    assert [r["status"] for r in evaluate({"points": pts})][7:] == ["pass"] * 5
+    # A 61-layer pool whose index-checked calls grow with the layers still fails "not growing".
+    pts.append(host_point("eager", "load_layer", "deepseek-v3", 61, 90.0, check=True))
+    pts.append(host_point("eager", "load_layer", "mla-3layer", 3, 30.0, check=True))
+    growth = rows_by_target({"points": pts})[HOST_ROWS[4]]
+    assert (growth["status"], growth["measured"]) == ("MISS", 3.0) and "check_indices=True" in growth["worst_at"]
+
+
+def test_host_overhead_json_through_the_cli(tmp_path):
+    doc = {**bench_doc(host_points()), "mode": "host-overhead"}
+    proc = targets_cli(tmp_path, doc)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert "is a bench --host-overhead run" in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("targets: 5 pass, 0 MISS, 7 n/a")
+    doc = {**bench_doc(host_points(custom=40.0)), "mode": "host-overhead"}
+    proc = targets_cli(tmp_path, doc)
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1].startswith("targets: 4 pass, 1 MISS, 7 n/a")
+    broken = {**bench_doc(host_points()), "mode": "host-overhead"}
+    del broken["points"][0]["median_us"]
+    proc = targets_cli(tmp_path, broken)
+    assert proc.returncode == 2 and "points[0].median_us: expected float, got None" in proc.stderr

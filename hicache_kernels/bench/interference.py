@@ -1,0 +1,139 @@
+"""GPU-only measurements beside the sweep: GEMM slowdown next to a transfer, layer-wise overlapped load."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import benchutil
+from .config import COPY_ENGINE_BACKENDS, DTYPES, INTERFERENCE_GEMM_N, OVERLAP_GEMM_NS, ModelConfig, PointSpec
+from .sweep import Workload, transfer_fn
+
+
+def _transfer_loop(run: Callable[[], None], stream: Any, stop: threading.Event) -> None:
+    """Keep one transfer in flight on ``stream`` until ``stop`` is set (the current stream is per
+    thread, so this thread makes ``stream`` its own)."""
+    with torch.cuda.stream(stream):
+        while not stop.is_set():
+            run()
+            stream.synchronize()
+
+
+def interference(args: argparse.Namespace, model: ModelConfig, backends: list[str], repeats: int) -> list[dict]:
+    """GEMM time alone and beside a continuously running backup on another stream, per backend."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(args.seed)
+    work = Workload(model, args.tokens, device, pin=True)
+    a = torch.randn(INTERFERENCE_GEMM_N, INTERFERENCE_GEMM_N, device=device, dtype=torch.bfloat16)
+    b = torch.randn(INTERFERENCE_GEMM_N, INTERFERENCE_GEMM_N, device=device, dtype=torch.bfloat16)
+    compute = torch.cuda.Stream()
+    timer = benchutil.CudaEventTimer(compute)
+
+    def gemm() -> None:
+        torch.mm(a, b)  # on the compute stream: the timer makes it current
+
+    alone = benchutil.measure(gemm, timer=timer, repeats=repeats, warmup=3)
+    points = []
+    for name in backends:
+        spec = PointSpec(model, name, "backup_all", "page_first_direct", 16, max(1, args.tokens // 16),
+                         None if name in COPY_ENGINE_BACKENDS else args.sm_budget)  # fmt: skip
+        side = torch.cuda.Stream()
+        pw = transfer_fn(spec, work, gen)
+        with torch.cuda.stream(side):
+            pw.prepare()
+        stop = threading.Event()
+
+        t = threading.Thread(target=_transfer_loop, args=(pw.run, side, stop), daemon=True)
+        t.start()
+        time.sleep(0.05)
+        beside = benchutil.measure(gemm, timer=timer, repeats=repeats, warmup=1)
+        stop.set()
+        t.join(30)
+        points.append({
+            "kind": "interference", "model": model.name, "backend": name, "gemm_alone_ms": alone.median_ms,
+            "gemm_beside_ms": beside.median_ms, "slowdown": beside.median_ms / alone.median_ms - 1.0,
+            "sm_budget": spec.sm_budget, "transfer_bytes": pw.nbytes,
+            "batch_fallback": "; ".join(sorted(pw.fallbacks)) or None,
+        })  # fmt: skip
+    return points
+
+
+def overlap(args: argparse.Namespace, model: ModelConfig, backend: str, repeats: int) -> dict[str, Any]:
+    """Simulated forward: one matmul per layer sized to take about 1.25x a layer's load; compares
+    compute alone, load-all-then-compute, and layer-wise load waited on per layer."""
+    from hicache import DeviceKVPool, HiCacheController, HostKVPool
+
+    from .. import ops
+
+    page = 16
+    tokens = max(page, args.tokens - args.tokens % page)
+    dev = DeviceKVPool(num_slots=2 * tokens, num_layers=model.num_layers, head_num=model.head_num,
+                       head_dim=model.head_dim, dtype=DTYPES[model.dtype], device="cuda", page_size=page,
+                       mla=model.mla)  # fmt: skip
+    host = HostKVPool(dev, layout="page_first_direct", ratio=2.0, pin_memory=True)
+    ctrl = HiCacheController(dev, host, io_backend=backend, threaded=True)
+    d_idx, h_idx = dev.alloc(tokens), host.alloc(tokens)
+    host.mark_writing(h_idx)
+    host.mark_synced(h_idx)
+    timer = benchutil.CudaEventTimer()
+
+    def load_layer0() -> None:
+        ops.load_layer(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layer_id=0, layout=host.layout,
+                       page_size=page, backend=backend)  # fmt: skip
+
+    layer_ms = benchutil.measure(load_layer0, timer=timer, repeats=repeats).median_ms
+    for n in OVERLAP_GEMM_NS:  # the first GEMM at least 1.25x a layer's load
+        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        if benchutil.measure(lambda x=x: torch.mm(x, x), timer=timer, repeats=3).median_ms >= 1.25 * layer_ms:
+            break
+
+    def forward() -> None:
+        for _ in range(model.num_layers):
+            torch.mm(x, x)
+
+    def wall(fn: Callable[[], None]) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    def load_then_compute() -> None:
+        ops.load_all_layers(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layout=host.layout,
+                            page_size=page, backend=backend)  # fmt: skip
+        forward()
+
+    def overlapped() -> None:
+        ctrl.load(h_idx, d_idx, node_id=1)
+        ctrl.start_loading()
+        for layer in range(model.num_layers):
+            ctrl.layer_counter.wait_until(layer)
+            torch.mm(x, x)
+        torch.cuda.synchronize()
+        ctrl.flush()
+        for _node, error in ctrl.finished_loads():  # (node id, error or None) per acknowledged load
+            if error is not None:
+                raise RuntimeError(f"overlap: the layer-wise load failed: {error!r}")
+        host.mark_synced(h_idx)
+
+    results = {}
+    for name, fn in (("compute_ms", forward), ("load_then_compute_ms", load_then_compute),
+                     ("overlapped_ms", overlapped)):  # fmt: skip
+        fn()
+        results[name] = benchutil.summarize([wall(fn) for _ in range(repeats)]).median_ms
+    ctrl.close()
+    load_all = benchutil.measure(
+        lambda: ops.load_all_layers(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layout=host.layout,
+                                    page_size=page, backend=backend), timer=timer, repeats=repeats,
+    ).median_ms  # fmt: skip
+    return {
+        "kind": "overlap", "model": model.name, "backend": backend, "tokens": tokens, "gemm_n": n,
+        "layer_load_ms": layer_ms, "load_all_ms": load_all, **results,
+        "overlap_ratio": results["overlapped_ms"] / results["compute_ms"],
+        "transfer_le_compute": load_all <= results["compute_ms"],
+    }  # fmt: skip
