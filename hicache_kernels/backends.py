@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import warnings
 from collections.abc import Callable
@@ -40,22 +39,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import launch
 from ._ext import BackendUnavailableError, cuda_runtime_status, load_extension
+from ._names import IO_BACKENDS
 from .fragments import Fragments, TensorMemory, plan_fragments, split_rows
-from .plan import Side, TransferPlan
-
-
-def _device_side(plan: TransferPlan) -> Side:
-    return plan.src if plan.direction == "d2h" else plan.dst
-
-
-def _host_side(plan: TransferPlan) -> Side:
-    return plan.dst if plan.direction == "d2h" else plan.src
+from .plan import TransferPlan
 
 
 def _stream(plan: TransferPlan) -> Any:
     """``plan.stream`` (which must be on the device pool's device) or that device's current stream."""
-    device = _device_side(plan).device
+    device = plan.route.device
     if plan.stream is None:
         return torch.cuda.current_stream(device)
     if plan.stream.device != device:
@@ -65,10 +58,20 @@ def _stream(plan: TransferPlan) -> Any:
     return plan.stream
 
 
+def _stream_handle(plan: TransferPlan) -> tuple[int, Any]:
+    """``(handle, stream)`` of the launch stream: ``plan.stream`` (checked as :func:`_stream` does), or
+    the device's current stream, then only its handle (``stream`` None), read without building a
+    Stream object."""
+    if plan.stream is None:
+        return torch._C._cuda_getCurrentRawStream(plan.route.device.index), None
+    stream = _stream(plan)
+    return stream.cuda_stream, stream
+
+
 def _on_device(plan: TransferPlan) -> Any:
     """The device pool's device made current for a launch, and the caller's restored afterwards: the
     extension launches on the current device, and a pool on cuda:1 must not launch on cuda:0."""
-    return torch.cuda.device(_device_side(plan).device)
+    return torch.cuda.device(plan.route.device.index)
 
 
 # Stream handles cudaMemcpyBatchAsync refuses: the NULL (legacy default) stream and cudaStreamLegacy.
@@ -77,12 +80,19 @@ _LEGACY_STREAM_HANDLES = (0, 1)
 
 class IOBackend:
     """Base class: ``run(plan)`` executes a plan; ``unavailable(plan)`` says why it cannot, or None;
-    ``prepare(plan)`` does the host-side work ahead and returns the copy to issue later."""
+    ``prepare(plan)`` does the host-side work ahead and returns the copy to issue later. What does not
+    change between calls (device tables, host aliases, kernel descriptors) is kept with the plan's
+    route (``plan.route.launch_state``), so only the first call for a route builds it."""
 
     name = "base"
 
     def unavailable(self, plan: TransferPlan) -> str | None:
         return None
+
+    def wants_host_indices(self, plan: TransferPlan) -> bool:
+        """Whether this backend plans from indices on the host (CUDA index tensors are copied over, a
+        sync): a caller issuing several copies with the same indices moves them once."""
+        return False
 
     def run(self, plan: TransferPlan) -> None:
         self.prepare(plan)()
@@ -116,15 +126,13 @@ def _nothing() -> None:
 
 
 def _cuda_reason(plan: TransferPlan) -> str | None:
-    dev = _device_side(plan)
-    if not dev.is_cuda:
+    if not plan.route.on_cuda:
         return "needs the device pool on a CUDA GPU (got CPU tensors)"
     return None
 
 
 def _pinned_reason(plan: TransferPlan) -> str | None:
-    host = _host_side(plan).tensors[0]
-    if host.device.type == "cpu" and not host.is_pinned():
+    if not plan.route.gpu_addressable:  # decided once, when the pools were bound
         return "host: reads and writes host memory directly, so the host pool must be pinned (pin_memory=True)"
     return None
 
@@ -134,18 +142,22 @@ class DirectBackend(IOBackend):
 
     name = "direct"
 
+    def wants_host_indices(self, plan: TransferPlan) -> bool:
+        return True
+
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         frags = plan_fragments(plan)
         if len(frags) == 0:
             return _nothing
-        memory = TensorMemory(plan.src.tensors + plan.dst.tensors)
-        if not _device_side(plan).is_cuda:
-            return functools.partial(memory.copy, frags)
+        if not plan.route.on_cuda:
+            return functools.partial(TensorMemory(plan.tensors).copy, frags)
         stream = _stream(plan)
-        device = _device_side(plan).device
+        device = plan.route.device.index
         if not cuda_runtime_status()[0]:
             # Without a usable extension (not built, or a driver older than its static runtime): the
             # same fragments as torch copies (cudaMemcpyAsync underneath); info says so.
+            memory = TensorMemory(plan.tensors)
+
             def torch_copies() -> None:
                 with torch.cuda.device(device), torch.cuda.stream(stream):
                     memory.copy(frags)
@@ -156,6 +168,7 @@ class DirectBackend(IOBackend):
         def copies() -> None:
             with torch.cuda.device(device):  # the extension issues on the current device
                 issue(stream)
+            _ = plan  # keeps the pools the fragments point into alive with the callable
 
         return copies
 
@@ -188,7 +201,7 @@ class BatchBackend(IOBackend):
     name = "batch"
 
     def unavailable(self, plan: TransferPlan) -> str | None:
-        if not _device_side(plan).is_cuda:
+        if not plan.route.on_cuda:
             return None  # CPU tensors: the pieces are copied with torch
         ok, reason = cuda_runtime_status()
         return None if ok else reason
@@ -196,6 +209,9 @@ class BatchBackend(IOBackend):
     def __init__(self) -> None:
         self.last_fallback: str | None = None
         self._warned: set[str] = set()
+
+    def wants_host_indices(self, plan: TransferPlan) -> bool:
+        return True
 
     def _fallback(self, reason: str, issue_direct: Callable[[Any], None], stream: Any) -> None:
         self.last_fallback = reason
@@ -209,8 +225,8 @@ class BatchBackend(IOBackend):
         if len(frags) == 0:
             return _nothing
         dst, src, size = split_rows(frags)
-        if not _device_side(plan).is_cuda:
-            memory = TensorMemory(plan.src.tensors + plan.dst.tensors)
+        if not plan.route.on_cuda:
+            memory = TensorMemory(plan.tensors)
 
             def pieces() -> None:
                 self.last_fallback = None
@@ -219,13 +235,14 @@ class BatchBackend(IOBackend):
             return pieces
         ext = load_extension()
         stream = _stream(plan)
-        device = _device_side(plan).device
+        device = plan.route.device.index
         issue_direct = DirectBackend.issuer(frags)  # the fallback, ready without planning again
         if stream.cuda_stream in _LEGACY_STREAM_HANDLES:
 
             def legacy() -> None:
                 with torch.cuda.device(device):
                     self._fallback("the legacy default stream is refused by cudaMemcpyBatchAsync", issue_direct, stream)
+                _ = plan  # keeps the pools alive with the callable
 
             return legacy
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, size)]
@@ -241,7 +258,7 @@ class BatchBackend(IOBackend):
                     if name not in _BATCH_FALLBACK_ERRORS:
                         raise RuntimeError(f"io-backend 'batch': cudaMemcpyBatchAsync failed: {name} (error {code})")
                     self._fallback(f"cudaMemcpyBatchAsync returned {name}", issue_direct, stream)
-            _ = arrays  # keep the arrays the pointers point into alive with the callable
+            _ = arrays, plan  # keep the arrays the pointers point into, and the pools, alive with the callable
 
         return batch
 
@@ -252,6 +269,9 @@ class KernelBackend(IOBackend):
     ``count_skipped=True`` makes the kernels count the work units they skip for an out-of-range
     index (in fast mode, ``check_indices=False``) in a device counter, without any sync;
     :meth:`skipped` reads it (one sync) and resets it. A unit is one (index pair, K/V, layer, chunk).
+
+    A route's descriptors, device tables, host alias and alignment are built by its first launch
+    (:func:`hicache_kernels.launch.gpu_route`) and reused: later calls issue one extension call.
     """
 
     name = "kernel"
@@ -263,8 +283,6 @@ class KernelBackend(IOBackend):
             raise ValueError(f"warps_per_block: expected an int in [1, 32], got {warps_per_block!r}")
         self.num_blocks = num_blocks
         self.warps_per_block = warps_per_block
-        # Keyed by the addresses themselves, which are also the table's content: never stale.
-        self._tables: dict[tuple, torch.Tensor] = {}
         self.count_skipped = count_skipped
         self._skipped: dict[torch.device, torch.Tensor] = {}
 
@@ -292,66 +310,52 @@ class KernelBackend(IOBackend):
         ok, reason = cuda_runtime_status()
         return _pinned_reason(plan) if ok else reason
 
-    def device_table(self, side: Side) -> torch.Tensor:
-        """The side's per-(kv, layer) address table as a CUDA int64 tensor, built once per pool."""
-        key = (side.device, side.table)
-        t = self._tables.get(key)
-        if t is None:
-            t = torch.tensor(side.table, dtype=torch.int64).to(side.device)
-            self._tables[key] = t
-        return t
-
-    @staticmethod
-    def _host_base(side: Side) -> int:
-        # The device alias of pinned memory equals its host address under UVA on Linux x86, but not
-        # everywhere (ROCm, WSL2): always ask. Not cached by address, which a new buffer may reuse.
-        return load_extension().host_device_pointer(side.base)
-
-    def _desc(self, side: Side) -> tuple[tuple[int, ...], int]:
-        desc = list(side.desc())
-        if side.is_table:
-            desc[0] = self.device_table(side).data_ptr()
-            addrs = side.table
-        else:
-            desc[0] = self._host_base(side)
-            addrs = (desc[0],)
-        align = math.gcd(*addrs, side.s_kv, side.s_layer, side.s_page, side.s_in_page, side.s_chunk)
-        return tuple(desc), align
-
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
-        n = plan.num_items
+        n = plan.src_indices.numel()
         if n == 0:
             return _nothing
         ext = load_extension()
-        stream = _stream(plan)
-        device = _device_side(plan).device
-        with _on_device(plan):
-            src_desc, src_align = self._desc(plan.src)
-            dst_desc, dst_align = self._desc(plan.dst)
-            idx = self._launch_indices(plan, device, stream)
-            counter = self._skip_counter(device)
-        align = math.gcd(src_align, dst_align, plan.chunk_bytes)
+        route = plan.route
+        device = route.device
+        handle, stream = _stream_handle(plan)
+        g = route.launch_state.get("gpu")
+        if g is None or handle not in g.recorded or self.count_skipped:
+            # First launch of this route or on this stream: build (uploads, aliases) with the pool's
+            # device current, where the capture check and the allocations must happen.
+            with _on_device(plan):
+                capture = launch.capturing()
+                g = launch.gpu_route(plan, capturing=capture)
+                if not capture:
+                    g.use_tables_on(handle, stream)
+                counter = self._skip_counter(device)
+        else:
+            counter = 0
+        idx = self._launch_indices(plan, device, stream)
         args = (
-            src_desc, plan.src.is_table, dst_desc, plan.dst.is_table, idx[0].data_ptr(), idx[1].data_ptr(), n,
-            plan.layer_begin, plan.layer_count, plan.num_kv, plan.num_chunks, plan.chunk_bytes, align,
-            self.num_blocks, self.warps_per_block, counter, stream.cuda_stream,
+            g.src_desc, route.src.is_table, g.dst_desc, route.dst.is_table, idx[0].data_ptr(), idx[1].data_ptr(), n,
+            route.layer_begin, route.layer_count, route.num_kv, route.num_chunks, route.chunk_bytes, g.align,
+            self.num_blocks, self.warps_per_block, counter, handle,
         )  # fmt: skip
+        index = device.index
 
-        def launch() -> None:
-            with torch.cuda.device(device):  # the extension launches on the current device
+        def issue() -> None:
+            with torch.cuda.device(index):  # the extension launches on the current device
                 ext.transfer(*args)
-            _ = idx  # the kernel reads these index tensors (device ones at every launch): keep them alive
+            _ = idx, plan  # the kernel reads these indices (device ones at every launch) and pools: keep them alive
 
-        return launch
+        return issue
 
     @staticmethod
-    def _launch_indices(plan: TransferPlan, device: torch.device, stream: Any) -> list[torch.Tensor]:
-        """The plan's index tensors on ``device``. Host indices are copied on the launch stream itself:
-        ordered before the kernel (a copy from pageable memory may still be in flight when it returns),
-        and allocated for that stream."""
+    def _launch_indices(plan: TransferPlan, device: torch.device, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's index tensors on ``device``. Host indices are copied on the launch stream itself
+        (``stream``, None for the current one): ordered before the kernel (a copy from pageable memory
+        may still be in flight when it returns), and allocated for that stream."""
+        s_idx, d_idx = plan.src_indices, plan.dst_indices
+        if s_idx.device == device and d_idx.device == device:
+            return s_idx, d_idx
         with torch.cuda.stream(stream):
-            return [t if t.device == device else t.to(device, non_blocking=True)
-                    for t in (plan.src_indices, plan.dst_indices)]  # fmt: skip
+            return (s_idx if s_idx.device == device else s_idx.to(device, non_blocking=True),
+                    d_idx if d_idx.device == device else d_idx.to(device, non_blocking=True))  # fmt: skip
 
 
 class TritonBackend(IOBackend):
@@ -360,7 +364,7 @@ class TritonBackend(IOBackend):
     name = "triton"
 
     def unavailable(self, plan: TransferPlan) -> str | None:
-        if _device_side(plan).is_cuda:
+        if plan.route.on_cuda:
             return _pinned_reason(plan)
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing triton"
@@ -418,14 +422,17 @@ class AutoBackend(IOBackend):
         return self.path
 
     def choose(self, plan: TransferPlan) -> IOBackend:
-        if not _device_side(plan).is_cuda:
+        if not plan.route.on_cuda:
             return self.direct
-        fragment = plan.chunk_bytes * int(plan.extras.get("page_size", 1))
+        fragment = plan.chunk_bytes * plan.route.page_size
         if fragment < self.thresholds["kernel_max_fragment_bytes"] and self.kernel.unavailable(plan) is None:
             return self.kernel
         if _stream(plan).cuda_stream not in _LEGACY_STREAM_HANDLES and self.batch.unavailable(plan) is None:
             return self.batch
         return self.direct
+
+    def wants_host_indices(self, plan: TransferPlan) -> bool:
+        return self.choose(plan).wants_host_indices(plan)
 
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         backend = self.choose(plan)
@@ -433,13 +440,14 @@ class AutoBackend(IOBackend):
         return backend.prepare(plan)
 
 
-_FACTORIES = {
+_FACTORIES: dict[str, type[IOBackend]] = {
     "direct": DirectBackend,
     "batch": BatchBackend,
     "kernel": KernelBackend,
     "triton": TritonBackend,
     "auto": AutoBackend,
 }
+assert tuple(_FACTORIES) == IO_BACKENDS, "hicache_kernels._names.IO_BACKENDS lists the backends defined here"
 _DEFAULTS: dict[str, IOBackend] = {}
 
 
@@ -456,7 +464,7 @@ def get_backend(name: str | IOBackend, **options: Any) -> IOBackend:
     if not isinstance(name, str):  # before the lookup: an unhashable name would raise an unrelated TypeError
         raise TypeError(f"backend: expected a backend name (str) or an IOBackend, got {type(name).__name__}")
     if name not in _FACTORIES:
-        raise ValueError(f"backend: expected one of {', '.join(_FACTORIES)}, got {name!r}")
+        raise ValueError(f"backend: expected one of {', '.join(IO_BACKENDS)}, got {name!r}")
     if options:
         return _FACTORIES[name](**options)
     if name not in _DEFAULTS:

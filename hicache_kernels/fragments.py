@@ -66,15 +66,6 @@ def find_runs(src_idx: np.ndarray, dst_idx: np.ndarray, src_page: int, dst_page:
     return s[starts], d[starts], lengths.astype(np.int64)
 
 
-def _addresses(side: Side, kv: np.ndarray, layer: np.ndarray, slot: np.ndarray, chunk: np.ndarray) -> np.ndarray:
-    page, off = np.divmod(slot, side.page_size)
-    rest = page * side.s_page + off * side.s_in_page + chunk * side.s_chunk
-    if side.is_table:
-        table = np.asarray(side.table, dtype=np.int64)
-        return table[kv * side.num_layers + layer] + rest
-    return side.base + kv * side.s_kv + layer * side.s_layer + rest
-
-
 def host_indices(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.int64).numpy()
 
@@ -96,9 +87,9 @@ def plan_fragments(plan: TransferPlan) -> Fragments:
     kv, layer, chunk = (np.tile(a, R) for a in (kv, layer, chunk))
     n = R * U
     return Fragments(
-        dst=_addresses(plan.dst, kv, layer, rd, chunk),
+        dst=plan.dst.addresses(kv, layer, rd, chunk),
         dst_pitch=np.full(n, _row_pitch(plan.dst), dtype=np.int64),
-        src=_addresses(plan.src, kv, layer, rs, chunk),
+        src=plan.src.addresses(kv, layer, rs, chunk),
         src_pitch=np.full(n, _row_pitch(plan.src), dtype=np.int64),
         width=np.full(n, plan.chunk_bytes, dtype=np.int64),
         height=rl,

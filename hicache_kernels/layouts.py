@@ -32,9 +32,9 @@ of token slot ``n`` in layer ``l`` of K (kv=0) or V (kv=1) is::
 
     kv * s_kv + l * s_layer + (n // page) * s_page + (n % page) * s_in_page + c * s_chunk
 
-:func:`host_geometry` returns these strides; the kernels, the Triton backend and the copy-engine
-planner all use them, while :mod:`hicache_kernels.reference` indexes the shapes above directly so
-that a wrong stride cannot hide in both.
+:func:`host_geometry` returns these strides: the host side of every plan
+(:class:`hicache_kernels.plan.Side`, where the formula itself lives). :mod:`hicache_kernels.reference`
+indexes the shapes above directly instead, so that a wrong stride cannot hide in both.
 """
 
 from __future__ import annotations
@@ -104,16 +104,6 @@ class HostGeometry:
     s_page: int
     s_in_page: int
     s_chunk: int
-
-    def offset(self, kv: int, layer: int, slot: int, chunk: int = 0) -> int:
-        """Byte offset of one chunk: the formula every backend implements."""
-        return (
-            kv * self.s_kv
-            + layer * self.s_layer
-            + (slot // self.page_size) * self.s_page
-            + (slot % self.page_size) * self.s_in_page
-            + chunk * self.s_chunk
-        )
 
     @property
     def total_bytes(self) -> int:

@@ -29,166 +29,54 @@ first repeat come back with the source's minimum and maximum in one transfer).
 kernels still skip any out-of-range pair, so nothing outside the pools is ever read or written, but a
 bad pair is silently not copied, and repeated destination slots are not detected: which of the
 competing sources lands in such a slot is undefined (a race).
+
+Validate once
+-------------
+The pools, layout and page size are validated on their first use and remembered, with everything
+derived from them (address tables, byte geometry, and what the backends build on the first launch:
+device tables, the host pool's device alias, kernel descriptors), for as long as the pool objects
+live (:func:`hicache_kernels.binding.bound_pools`; the cache holds no tensor). A later call with the
+same objects costs O(1) checks (each tensor's ``data_ptr``, shape, strides and dtype; for per-layer
+lists, every layer's identity) plus its index checks, whatever the number of layers. A caller moving
+data between the same pools many times can also bind them explicitly:
+:class:`~hicache_kernels.binding.KVBinding` (also ``hicache_kernels.KVBinding``), whose
+``layer_loads`` prepares a layer-wise load once per batch.
+
+Custom ops (``torch.compile``) live in :mod:`hicache_kernels._custom_ops`, argument checks in
+:mod:`hicache_kernels._validate`; this module is the public API.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from . import layouts
+from . import _custom_ops
+from ._validate import SUPPORTED_DTYPES, DevicePool, check_memory, int_arg
 from .backends import IOBackend, get_backend
-from .plan import TransferPlan, affine_side, table_side
+from .binding import KVBinding, bound_pools, check_direction, pool_tensors
+from .plan import TransferPlan
 
-SUPPORTED_DTYPES = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.uint8,
-)
+# The registered custom ops (torch.compile sees their writes): hicache_kernels::backup / ::load.
+backup_op = _custom_ops.backup_op
+load_op = _custom_ops.load_op
 
-DevicePool = torch.Tensor | Sequence[torch.Tensor]
-
-
-def int_arg(value: Any, name: str) -> int:
-    """``value`` as an int with :func:`operator.index` semantics (numpy integers accepted).
-
-    ``bool`` (an int subclass, almost always a mistake here), floats, tensors (a CUDA one would sync)
-    and anything else without ``__index__`` raise ``TypeError`` naming ``name``.
-    """
-    if type(value) is int:
-        return value
-    if isinstance(value, (bool, np.bool_, torch.Tensor)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}") from None
-
-
-def check_memory(t: torch.Tensor, name: str) -> None:
-    """Pools must live in memory the backends can address: the CPU or a CUDA device."""
-    if t.device.type not in ("cpu", "cuda"):
-        why = " (meta tensors hold no memory)" if t.device.type == "meta" else ""
-        raise ValueError(f"{name}: expected a tensor on the CPU or a CUDA device, got one on {t.device}{why}")
-
-
-def _layers(pool: DevicePool, name: str) -> list[torch.Tensor]:
-    """Per-layer ``[N, H, D]`` tensors of a stacked ``[L, N, H, D]`` tensor or a list, validated."""
-    if isinstance(pool, torch.Tensor):
-        if pool.dim() != 4:
-            raise ValueError(
-                f"{name}: expected a stacked [L, N, H, D] tensor or a list of [N, H, D], got {pool.dim()}-D"
-            )
-        if pool.shape[0] == 0:
-            raise ValueError(f"{name}: expected at least one layer, got shape {tuple(pool.shape)}")
-        if not pool.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor (strides {tuple(pool.stride())})")
-        layers = list(pool.unbind(0))
-    elif isinstance(pool, (list, tuple)):
-        layers = list(pool)
-        if not layers:
-            raise ValueError(f"{name}: expected at least one layer, got an empty list")
-    else:
-        raise TypeError(f"{name}: expected a torch.Tensor or a list of tensors, got {type(pool).__name__}")
-    first = layers[0]
-    for i, t in enumerate(layers):
-        where = f"{name}[{i}]"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{where}: expected a [N, H, D] tensor, got shape {tuple(t.shape)}")
-        if t.dtype != first.dtype:
-            raise TypeError(f"{where}: dtype {t.dtype} differs from {name}[0]'s {first.dtype}")
-        if t.shape != first.shape:
-            raise ValueError(f"{where}: shape {tuple(t.shape)} differs from {name}[0]'s {tuple(first.shape)}")
-        if t.device != first.device:
-            raise ValueError(f"{where}: device {t.device} differs from {name}[0]'s {first.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{where}: expected a contiguous tensor (strides {tuple(t.stride())})")
-    if first.dtype not in SUPPORTED_DTYPES:
-        supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{name}: dtype {first.dtype} is not supported; expected one of {supported}")
-    check_memory(first, name)  # every layer is on first's device (checked above)
-    if first.numel() == 0:
-        raise ValueError(f"{name}: expected N, H and D all positive, got layers of shape {tuple(first.shape)}")
-    return layers
-
-
-def _check_index(t: Any, name: str, pool_device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int64:
-        raise TypeError(f"{name}: expected dtype torch.int64, got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
-    if t.device.type != "cpu" and t.device != pool_device:
-        raise ValueError(f"{name}: expected a CPU tensor or one on {pool_device}, got {t.device}")
-    return t
-
-
-def _index_stats(idx: torch.Tensor, is_dst: bool) -> torch.Tensor:
-    """``[min, max]`` of ``idx`` on its device, without a sync; for a destination with at least two
-    indices also ``[has_repeat, a repeated slot]``, found by sorting and comparing neighbours."""
-    if not is_dst or idx.numel() < 2:
-        lo, hi = torch.aminmax(idx)
-        return torch.stack([lo, hi])
-    s = torch.sort(idx).values
-    same = s[1:] == s[:-1]
-    first = same.to(torch.uint8).argmax().view(1)  # index_select: s[t] with a 0-dim t may read t on the host
-    return torch.cat([s[:1], s[-1:], same.any().view(1).to(torch.int64), s[1:].index_select(0, first)])
-
-
-def _check_indices(direction: str, dev_idx: torch.Tensor, n_dev: int, host_idx: torch.Tensor, n_host: int) -> None:
-    """IndexError for a slot outside its pool, ValueError for a repeated destination slot; at most one
-    device-to-host transfer (one sync for CUDA indices), whatever the index devices."""
-    if dev_idx.numel() == 0:
-        return
-    d2h = direction == "d2h"
-    sides = (("device_indices", dev_idx, n_dev, not d2h), ("host_indices", host_idx, n_host, d2h))
-    stats = [_index_stats(idx, is_dst) for _, idx, _, is_dst in sides]
-    if stats[0].device == stats[1].device:
-        values = torch.cat(stats).tolist()  # the single sync for CUDA indices
-    else:  # one side on the CPU: only the other one syncs
-        values = stats[0].tolist() + stats[1].tolist()
-    parts = (values[: stats[0].numel()], values[stats[0].numel() :])
-    for (name, _, n, _), (lo, hi, *_) in zip(sides, parts, strict=True):
-        if lo < 0 or hi >= n:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"{name}: index {bad} is outside the pool's {n} slots [0, {n})")
-    for (name, _, _, is_dst), (_, _, *repeat) in zip(sides, parts, strict=True):
-        if is_dst and repeat and repeat[0]:
-            raise ValueError(
-                f"{name}: destination slot {repeat[1]} appears more than once; the slots a "
-                f"{'backup' if d2h else 'load'} writes must be distinct (a repeated destination is a race)"
-            )
-
-
-def _host_slots(host: torch.Tensor, layout: str, mla: bool, num_layers: int, page_size: int, H: int, D: int) -> int:
-    """Number of host slots N implied by ``host``'s shape; ValueError naming ``host`` when it fits no N."""
-    per_slot = (1 if mla else 2) * num_layers * H * D
-    n = host.numel() // per_slot
-    ok = n > 0 and n % page_size == 0
-    expected = (
-        layouts.host_shape(
-            layout, mla=mla, num_layers=num_layers, num_slots=n, page_size=page_size, head_num=H, head_dim=D
-        )
-        if ok
-        else None
-    )
-    if expected != tuple(host.shape):
-        formula = layouts.shape_formula(layout, mla).format(L=num_layers, H=H, D=D, page=page_size)
-        raise ValueError(
-            f"host: expected a {'MLA' if mla else 'MHA'} {layout!r} pool of shape {formula} with N a positive "
-            f"multiple of page_size {page_size}, got {tuple(host.shape)}"
-        )
-    return n
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "DevicePool",
+    "KVBinding",
+    "backup_all_layers",
+    "backup_layer",
+    "backup_op",
+    "build_plan",
+    "check_memory",
+    "int_arg",
+    "load_all_layers",
+    "load_layer",
+    "load_op",
+    "transfer",
+]
 
 
 def build_plan(
@@ -210,79 +98,14 @@ def build_plan(
     ``direction`` is ``"d2h"`` (backup) or ``"h2d"`` (load); ``layer_id`` None moves every layer.
     Raises ``TypeError``/``ValueError`` naming the argument for a malformed input, and (when
     ``check_indices``) ``IndexError`` for an out-of-range index and ``ValueError`` for a repeated
-    destination slot, before any memory is touched.
+    destination slot, before any memory is touched. The pools are validated on their first use and
+    remembered while they live (:func:`hicache_kernels.binding.bound_pools`); later calls with the
+    same pool objects check only the indices.
     """
-    if direction not in ("d2h", "h2d"):
-        raise ValueError(f"direction: expected 'd2h' or 'h2d', got {direction!r}")
-    mla = device_v is None
-    page_size = int_arg(page_size, "page_size")
-    if page_size < 1:
-        raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
-    if not isinstance(layout, str):
-        raise TypeError(f"layout: expected a str, got {type(layout).__name__}")
-    layouts.check_layout(layout, mla)
-    k_layers = _layers(device_k, "device_k")
-    v_layers = [] if mla else _layers(device_v, "device_v")
-    L = len(k_layers)
-    n_dev, H, D = k_layers[0].shape
-    dtype, dev = k_layers[0].dtype, k_layers[0].device
-    if not mla:
-        if len(v_layers) != L:
-            raise ValueError(f"device_v: expected {L} layers like device_k, got {len(v_layers)}")
-        if v_layers[0].shape != k_layers[0].shape or v_layers[0].dtype != dtype or v_layers[0].device != dev:
-            raise ValueError(
-                f"device_v: expected layers like device_k's {tuple(k_layers[0].shape)} {dtype} on {dev}, "
-                f"got {tuple(v_layers[0].shape)} {v_layers[0].dtype} on {v_layers[0].device}"
-            )
-    elif H != 1:
-        raise ValueError(
-            f"device_k: an MLA pool (device_v=None) has one latent head, expected [N, 1, kv_dim], got H={H}"
-        )
-    if not isinstance(host, torch.Tensor):
-        raise TypeError(f"host: expected a torch.Tensor, got {type(host).__name__}")
-    if host.dtype != dtype:
-        raise TypeError(f"host: dtype {host.dtype} differs from the device pool's {dtype}")
-    if host.device.type != "cpu":
-        raise ValueError(f"host: expected a CPU (pinned) tensor, got one on {host.device}")
-    if not host.is_contiguous():
-        raise ValueError(f"host: expected a contiguous tensor (strides {tuple(host.stride())})")
-    n_host = _host_slots(host, layout, mla, L, page_size, H, D)
-    if layer_id is not None:
-        layer_id = int_arg(layer_id, "layer_id")
-        if not 0 <= layer_id < L:
-            raise ValueError(f"layer_id: expected an int in [0, {L}), got {layer_id!r}")
-    dev_idx = _check_index(device_indices, "device_indices", dev)
-    host_idx = _check_index(host_indices, "host_indices", dev)
-    if dev_idx.numel() != host_idx.numel():
-        raise ValueError(
-            f"host_indices: expected as many indices as device_indices ({dev_idx.numel()}), got {host_idx.numel()}"
-        )
-    if check_indices:
-        _check_indices(direction, dev_idx, n_dev, host_idx, n_host)
-    elem = dtype.itemsize
-    geom = layouts.host_geometry(
-        layout, mla=mla, num_layers=L, num_slots=n_host, page_size=page_size, head_num=H, head_dim=D, elem_bytes=elem
-    )
-    num_kv = 1 if mla else 2
-    dev_side = table_side(k_layers + v_layers, num_kv, H * D * elem, geom.chunk_bytes, geom.num_chunks)
-    host_side = affine_side(host, geom)
-    d2h = direction == "d2h"
-    return TransferPlan(
-        direction=direction,
-        src=dev_side if d2h else host_side,
-        dst=host_side if d2h else dev_side,
-        src_indices=dev_idx if d2h else host_idx,
-        dst_indices=host_idx if d2h else dev_idx,
-        layer_begin=0 if layer_id is None else layer_id,
-        layer_count=L if layer_id is None else 1,
-        num_kv=num_kv,
-        num_chunks=geom.num_chunks,
-        chunk_bytes=geom.chunk_bytes,
-        item_bytes=geom.item_bytes,
-        checked=check_indices,
-        stream=stream,
-        extras={"layout": layout, "page_size": page_size, "mla": mla, "geometry": geom},
-    )
+    check_direction(direction)
+    pools = bound_pools(device_k, device_v, host, layout, page_size)
+    return pools.plan(direction, device_indices, host_indices, layer_id, check_indices, stream,
+                      pool_tensors(device_k, device_v), (host,))  # fmt: skip
 
 
 def transfer(
@@ -309,23 +132,12 @@ def transfer(
     if not isinstance(backend, (str, IOBackend)):
         raise TypeError(f"backend: expected a backend name (str) or an IOBackend, got {type(backend).__name__}")
     if torch.compiler.is_compiling():
-        if stream is not None:
-            raise ValueError("stream: not supported under torch.compile; the current stream is used")
-        page_size = int_arg(page_size, "page_size")
-        if layer_id is not None:
-            layer_id = int_arg(layer_id, "layer_id")
-            if layer_id < 0:  # -1 is the op's "every layer"; the upper bound is checked inside the op
-                raise ValueError(f"layer_id: expected a non-negative int, got {layer_id}")
-        op = torch.ops.hicache_kernels.backup if direction == "d2h" else torch.ops.hicache_kernels.load
-        op(
-            _as_list(device_k), [] if device_v is None else _as_list(device_v), host, device_indices, host_indices,
-            layout, page_size, -1 if layer_id is None else layer_id, _backend_name(backend), check_indices,
-        )  # fmt: skip
+        _custom_ops.call(direction, device_k, device_v, host, device_indices, host_indices, layout=layout,
+                         page_size=page_size, layer_id=layer_id, backend=backend, stream=stream,
+                         check_indices=check_indices)  # fmt: skip
         return
-    plan = build_plan(
-        direction, device_k, device_v, host, device_indices, host_indices,
-        layout=layout, page_size=page_size, layer_id=layer_id, check_indices=check_indices, stream=stream,
-    )  # fmt: skip
+    plan = build_plan(direction, device_k, device_v, host, device_indices, host_indices, layout=layout,
+                      page_size=page_size, layer_id=layer_id, check_indices=check_indices, stream=stream)  # fmt: skip
     get_backend(backend).run(plan)
 
 
@@ -476,58 +288,3 @@ def _one_layer(layer_id: Any, verb: str) -> None:
     # transfer() reads layer_id=None as "every layer": the per-layer ops must not pass it through.
     if layer_id is None:
         raise TypeError(f"layer_id: {verb}_layer moves one layer and needs an int, got None (use {verb}_all_layers)")
-
-
-def _as_list(pool: DevicePool) -> list[torch.Tensor]:
-    return [pool] if isinstance(pool, torch.Tensor) else list(pool)
-
-
-def _from_list(pools: list[torch.Tensor]) -> DevicePool:
-    return pools[0] if len(pools) == 1 and pools[0].dim() == 4 else pools
-
-
-def _backend_name(backend: str | IOBackend) -> str:
-    if isinstance(backend, IOBackend):
-        raise ValueError("backend: pass a backend name (not an instance) under torch.compile")
-    return backend
-
-
-def _custom_op_body(direction: str):
-    def body(
-        device_k: list[torch.Tensor],
-        device_v: list[torch.Tensor],
-        host: torch.Tensor,
-        device_indices: torch.Tensor,
-        host_indices: torch.Tensor,
-        layout: str,
-        page_size: int,
-        layer_id: int,
-        backend: str,
-        check_indices: bool,
-    ) -> None:
-        plan = build_plan(
-            direction, _from_list(device_k), _from_list(device_v) if device_v else None, host,
-            device_indices, host_indices, layout=layout, page_size=page_size,
-            layer_id=None if layer_id == -1 else layer_id, check_indices=check_indices,
-        )  # fmt: skip
-        get_backend(backend).run(plan)
-
-    return body
-
-
-# Registered custom ops: the mutated arguments are declared, so torch.compile and functionalization
-# see the writes; the fake implementations have nothing to compute (no outputs).
-backup_op = torch.library.custom_op("hicache_kernels::backup", mutates_args=("host",))(_custom_op_body("d2h"))
-load_op = torch.library.custom_op("hicache_kernels::load", mutates_args=("device_k", "device_v"))(
-    _custom_op_body("h2d")
-)
-
-
-@backup_op.register_fake
-def _(device_k, device_v, host, device_indices, host_indices, layout, page_size, layer_id, backend, check_indices):
-    return None
-
-
-@load_op.register_fake
-def _(device_k, device_v, host, device_indices, host_indices, layout, page_size, layer_id, backend, check_indices):
-    return None

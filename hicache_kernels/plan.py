@@ -1,34 +1,45 @@
-"""A validated transfer, described in bytes: what every io-backend receives.
+"""A transfer described in bytes: what every io-backend receives.
+
+- :class:`Side`: one pool's byte geometry (where every chunk of every token slot lives).
+- :class:`Route`: what a copy moves from one side to the other, for one direction and layer range,
+  but not which slots. It does not change between calls, so a binding builds it once
+  (:class:`~hicache_kernels.binding.KVBinding`) and backends keep what they derive from it (device
+  tables, host aliases, kernel descriptors) in :attr:`Route.launch_state`.
+- :class:`TransferPlan`: a route plus one call's index tensors and stream, and the tensors whose
+  memory the route addresses (kept alive by the plan). Built per call; cheap.
 
 A transfer copies, for each index pair ``i``, each layer ``l`` in ``[layer_begin, layer_begin +
 layer_count)``, each ``kv`` in ``range(num_kv)`` and each chunk ``c`` in ``range(num_chunks)``,
-``chunk_bytes`` bytes from ``src.address(kv, l, src_indices[i], c)`` to
-``dst.address(kv, l, dst_indices[i], c)``.
-
-A :class:`Side` is either *affine* (one base address plus strides: every host layout) or a *table*
-(a base address per (kv, layer), looked up in ``table[kv * num_layers + l]``, plus the same strides:
-layer-first device pools given as separate tensors per layer). With ``page = page_size``::
+``chunk_bytes`` bytes from ``src`` to ``dst`` at the byte addresses :meth:`Side.addresses` gives.
+A side is either *affine* (one base address plus strides: every host layout) or a *table* (a base
+address per (kv, layer), ``table[kv * num_layers + l]``, plus the same strides: layer-first device
+pools). With ``page = page_size``::
 
     affine: base            + kv * s_kv + l * s_layer + (n // page) * s_page + (n % page) * s_in_page + c * s_chunk
     table:  table[kv*L + l]                            + (n // page) * s_page + (n % page) * s_in_page + c * s_chunk
+
+The CUDA kernel (``csrc/transfer.cuh``) and the Triton kernel implement the same formula on the
+device; on the host, :meth:`Side.addresses` is its only implementation.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from .layouts import HostGeometry
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Side:
     """One side of a transfer. Addresses and strides in bytes; ``page_size``/``num_slots`` in slots.
 
-    ``tensors`` keeps the tensors whose memory the addresses point into (for lifetime, dtype and
-    device); backends must not rely on their shapes, only on the byte description.
+    ``is_host``: the addresses are host (CPU) memory; a CUDA launch reaches them through their device
+    alias (pinned memory). ``launch_state`` holds what backends derive from the side once (its device
+    table, host alias), see :mod:`hicache_kernels.launch`.
     """
 
     is_table: bool
@@ -42,17 +53,12 @@ class Side:
     s_chunk: int
     page_size: int
     num_slots: int
-    tensors: tuple[torch.Tensor, ...] = field(repr=False, compare=False, default=())
-
-    def address(self, kv: int, layer: int, slot: int, chunk: int = 0) -> int:
-        page, off = divmod(slot, self.page_size)
-        rest = page * self.s_page + off * self.s_in_page + chunk * self.s_chunk
-        if self.is_table:
-            return self.table[kv * self.num_layers + layer] + rest
-        return self.base + kv * self.s_kv + layer * self.s_layer + rest
+    is_host: bool = False
+    launch_state: dict = field(default_factory=dict, repr=False)
 
     def desc(self) -> tuple[int, ...]:
-        """The 9 integers the CUDA launcher takes: (base_or_table_address is filled by the backend)."""
+        """The 9 integers the CUDA launcher takes (``csrc/transfer.h`` SideDesc); a launch replaces
+        ``base`` by the address the GPU uses (the device table, or the host alias)."""
         return (
             self.base,
             self.num_layers,
@@ -65,72 +71,123 @@ class Side:
             self.num_slots,
         )
 
-    @property
-    def device(self) -> torch.device:
-        return self.tensors[0].device
+    @functools.cached_property
+    def alignment(self) -> int:
+        """gcd of every address (table entry or base) and every stride: each byte address the formula
+        gives is a multiple of it (0 when all are 0). One half of the rule :meth:`Route.alignment` applies."""
+        return math.gcd(*(self.table if self.is_table else (self.base,)), self.s_kv, self.s_layer, self.s_page,
+                        self.s_in_page, self.s_chunk)  # fmt: skip
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.tensors[0].is_cuda
+    @functools.cached_property
+    def table_array(self) -> np.ndarray:
+        return np.asarray(self.table, dtype=np.int64)
 
-
-def affine_side(host: torch.Tensor, geom: HostGeometry) -> Side:
-    """The host pool as an affine side."""
-    return Side(
-        is_table=False,
-        base=host.data_ptr(),
-        table=(),
-        num_layers=geom.num_layers,
-        s_kv=geom.s_kv,
-        s_layer=geom.s_layer,
-        s_page=geom.s_page,
-        s_in_page=geom.s_in_page,
-        s_chunk=geom.s_chunk,
-        page_size=geom.page_size,
-        num_slots=geom.num_slots,
-        tensors=(host,),
-    )
+    def addresses(self, kv: np.ndarray, layer: np.ndarray, slot: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+        """Byte addresses of chunks (the module formula), element-wise over int64 arrays."""
+        page, off = np.divmod(slot, self.page_size)
+        rest = page * self.s_page + off * self.s_in_page + chunk * self.s_chunk
+        if self.is_table:
+            return self.table_array[kv * self.num_layers + layer] + rest
+        return self.base + kv * self.s_kv + layer * self.s_layer + rest
 
 
-def table_side(layers: list[torch.Tensor], num_kv: int, slot_bytes: int, chunk_bytes: int, num_chunks: int) -> Side:
-    """A layer-first device pool: ``layers`` lists K then V tensors (``num_kv * L`` of ``[N, H, D]``)."""
-    num_layers = len(layers) // num_kv
-    return Side(
-        is_table=True,
-        base=0,
-        table=tuple(t.data_ptr() for t in layers),
-        num_layers=num_layers,
-        s_kv=0,
-        s_layer=0,
-        s_page=slot_bytes,
-        s_in_page=0,
-        s_chunk=chunk_bytes if num_chunks > 1 else 0,
-        page_size=1,
-        num_slots=layers[0].shape[0],
-        tensors=tuple(layers),
-    )
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """Everything a backend needs. ``direction`` is ``"d2h"`` (device pool to host pool, a backup) or
-    ``"h2d"`` (a load); for those, ``src``/``dst`` are the device and host sides accordingly. Index
-    tensors are 1-D int64 of equal length and already validated unless ``checked`` is False."""
+@dataclass(frozen=True, eq=False)
+class Route:
+    """What a copy moves, without the slots. ``direction`` is ``"d2h"`` (device pool to host pool, a
+    backup) or ``"h2d"`` (a load). ``device`` is where a launch runs (the device pool's device);
+    ``gpu_addressable`` says whether a CUDA launch can reach every side's memory (device memory or
+    pinned host memory). ``page_size`` is the host layout's page in tokens: the run length callers
+    allocate, from which ``auto`` estimates a copy-engine fragment (``chunk_bytes * page_size``)."""
 
     direction: str
     src: Side
     dst: Side
-    src_indices: torch.Tensor
-    dst_indices: torch.Tensor
     layer_begin: int
     layer_count: int
     num_kv: int
     num_chunks: int
     chunk_bytes: int
     item_bytes: int
-    checked: bool = True
-    stream: Any = None  # torch.cuda.Stream or None (the current stream)
-    extras: dict = field(default_factory=dict, compare=False)
+    page_size: int
+    device: torch.device
+    gpu_addressable: bool
+    launch_state: dict = field(default_factory=dict, repr=False)
+    on_cuda: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_cuda", self.device.type == "cuda")
+
+    @property
+    def host_side(self) -> Side:
+        return self.dst if self.direction == "d2h" else self.src
+
+    def alignment(self, *addresses: int) -> int:
+        """The alignment rule, in one place: the gcd of both sides' :attr:`Side.alignment`,
+        ``chunk_bytes`` and ``addresses`` (the addresses a launch uses in place of the sides' own,
+        e.g. host aliases). Every byte address and size the copy touches is a multiple of it; the
+        kernels pick their copy width from it (16-byte vectors when it is a multiple of 16)."""
+        return math.gcd(self.src.alignment, self.dst.alignment, self.chunk_bytes, *addresses)
+
+
+@dataclass(eq=False)
+class TransferPlan:
+    """One call: a :class:`Route`, the index tensors (1-D integer, equal length; validated by the
+    ops unless the caller turned ``check_indices`` off, and skipped by every backend when out of
+    range), the stream (None: the device's current stream), and the tensors whose memory the
+    route's sources and destinations address (``src_tensors``, ``dst_tensors``), which the plan keeps
+    alive for as long as a backend's prepared copy holds it."""
+
+    route: Route
+    src_indices: torch.Tensor
+    dst_indices: torch.Tensor
+    stream: Any = None
+    src_tensors: tuple[torch.Tensor, ...] = ()
+    dst_tensors: tuple[torch.Tensor, ...] = ()
+
+    # The route's fields, read through.
+    @property
+    def direction(self) -> str:
+        return self.route.direction
+
+    @property
+    def src(self) -> Side:
+        return self.route.src
+
+    @property
+    def dst(self) -> Side:
+        return self.route.dst
+
+    @property
+    def layer_begin(self) -> int:
+        return self.route.layer_begin
+
+    @property
+    def layer_count(self) -> int:
+        return self.route.layer_count
+
+    @property
+    def num_kv(self) -> int:
+        return self.route.num_kv
+
+    @property
+    def num_chunks(self) -> int:
+        return self.route.num_chunks
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.route.chunk_bytes
+
+    @property
+    def item_bytes(self) -> int:
+        return self.route.item_bytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.route.device
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.src_tensors + self.dst_tensors
 
     @property
     def num_items(self) -> int:

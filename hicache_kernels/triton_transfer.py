@@ -5,9 +5,10 @@ The kernel implements the plan's byte formulas exactly (see :mod:`hicache_kernel
     affine: base            + kv * s_kv + l * s_layer + (n // page) * s_page + (n % page) * s_in_page + c * s_chunk
     table:  table[kv*L + l]                            + (n // page) * s_page + (n % page) * s_in_page + c * s_chunk
 
-It copies in the widest integer type (8, 4, 2 or 1 bytes) that divides every address, stride and
-``chunk_bytes`` of the plan, so every dtype (fp16, bf16, fp32, fp8, uint8) and every item size (6-byte
-items, 656-byte items) moves bit-exactly; all strides reach the kernel in elements of that type.
+It copies in the widest integer type (8, 4, 2 or 1 bytes) that divides the route's alignment
+(:meth:`~hicache_kernels.plan.Route.alignment`: every address, stride and ``chunk_bytes``), so every
+dtype (fp16, bf16, fp32, fp8, uint8) and every item size (6-byte items, 656-byte items) moves
+bit-exactly; all strides reach the kernel in elements of that type.
 When every address and stride is also 16-byte aligned (``VEC > 1``), every address is formed from one
 aligned ``anchor`` pointer with alignment hints, so the compiled kernel uses 16-byte vector loads and
 stores (``ld/st.global.v2.b64`` or ``.v4.b32``; tests/test_triton_quality.py checks the PTX).
@@ -28,21 +29,22 @@ Devices
 - CPU tensors run under Triton's interpreter and need ``TRITON_INTERPRET=1`` set before Triton is
   imported (tests/conftest.py does this). Affine sides are passed as ``uint8`` aliases of their
   tensor's storage starting at the side's base address; tables as CPU int64 tensors.
-- CUDA: tables become CUDA int64 tensors (:class:`DeviceTables`), cached by (device, addresses) for
-  exactly as long as the memory of the tensors they were taken from lives, so repeated calls and
-  CUDA-graph capture reuse them and a captured graph's table is never freed under it (the first call
-  for a pool copies its table to the device, which cannot happen under capture: make it before
-  capturing). The launch goes to ``plan.stream`` if given, else the current stream, and never
-  synchronises. Index tensors on the CPU are copied to the device first (use device indices under
-  graph capture).
+- CUDA: tables become CUDA int64 tensors (:class:`hicache_kernels.launch.DeviceTables`, the one
+  table cache the kernel backend uses too), kept for exactly as long as the memory of the tensors
+  they were taken from lives, so repeated calls and CUDA-graph capture reuse them and a captured
+  graph's table is never freed under it (the first call for a route uploads its table, which cannot
+  happen under capture: make it before capturing). The launch goes to ``plan.stream`` if given, else
+  the current stream, and never synchronises. Index tensors on the CPU are copied to the device
+  first (use device indices under graph capture).
 - **Zero-copy host access (untested: no GPU run has exercised this path yet).** A host side whose
   tensor is a *pinned* CPU tensor is not copied: the kernel reads or writes the pinned pages directly
   over PCIe/NVLink. Triton receives a small object exposing ``data_ptr()`` and ``dtype`` in place of
-  the CPU tensor; ``data_ptr()`` returns the device alias of the host address from the extension's
-  ``host_device_pointer`` when the CUDA extension provides it, else the host address itself, which is
-  valid under unified virtual addressing (Triton's launcher further resolves it with
-  ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)``). A non-pinned host tensor is rejected
-  with ``ValueError`` naming ``host``: pageable memory cannot be addressed by the GPU.
+  the CPU tensor; ``data_ptr()`` returns the device alias of the host address
+  (:func:`hicache_kernels.launch.device_alias`: the extension's ``host_device_pointer`` when it can
+  run, else the host address itself, which is valid under unified virtual addressing; Triton's
+  launcher further resolves it with ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)``).
+  A non-pinned host tensor is rejected with ``ValueError`` naming ``host``: pageable memory cannot be
+  addressed by the GPU.
 
 Triton is imported on the first call only; without it :func:`run_triton` raises
 :class:`~hicache_kernels.BackendUnavailableError` with the reason.
@@ -52,17 +54,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
-import threading
-import weakref
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ._ext import BackendUnavailableError, cuda_runtime_status, load_extension
-from .plan import Side, TransferPlan
+from . import launch as launch_state
+from ._ext import BackendUnavailableError
+from .plan import Route, Side, TransferPlan
 
 # Filled by _import_triton(); the kernel resolves ``tl`` from this module's globals when it compiles.
 tl: Any = None
@@ -195,36 +194,23 @@ def _kernel(interpret: bool) -> Any:
 # --------------------------------------------------------------------------------------------------
 # Element width and launch shape
 # --------------------------------------------------------------------------------------------------
-def _side_values(side: Side) -> list[int]:
-    """Every byte quantity of a side that an element address is built from."""
-    addrs = list(side.table) if side.is_table else [side.base]
-    return [*addrs, side.s_kv, side.s_layer, side.s_page, side.s_in_page, side.s_chunk]
-
-
-def _gcd(values: Iterable[int]) -> int:
-    g = 0
-    for v in values:
-        g = math.gcd(g, int(v))
-    return g
-
-
-def pick_width(values: Iterable[int]) -> int:
-    """Largest of 8, 4, 2, 1 bytes dividing every value (zeros impose nothing)."""
-    g = _gcd(values)
+def pick_width(align: int) -> int:
+    """Largest of 8, 4, 2, 1 bytes dividing ``align`` (0, no constraint: 8)."""
     for width in (8, 4, 2):
-        if g % width == 0:  # g == 0 (all zero) divides by anything: take 8
+        if align % width == 0:
             return width
     return 1
 
 
 def element_width(plan: TransferPlan) -> int:
-    """Bytes per element the kernel copies ``plan`` in: the largest of 8/4/2/1 dividing every base
-    address (affine base, every table entry), every stride of both sides and ``chunk_bytes``.
+    """Bytes per element the kernel copies ``plan`` in on the CPU (a CUDA launch also counts the host
+    pool's device alias): the largest of 8/4/2/1 dividing the plan's alignment
+    (:meth:`~hicache_kernels.plan.Route.alignment`: every address, stride and ``chunk_bytes``).
 
     Copying in integers of this width moves any dtype bit-exactly: e.g. fp16 items of head_dim 3
     (6 bytes) move as int16, 656-byte items as int64, odd-sized uint8 items as uint8.
     """
-    return pick_width([*_side_values(plan.src), *_side_values(plan.dst), plan.chunk_bytes])
+    return pick_width(plan.route.alignment())
 
 
 def launch_shape(item_elems: int, width: int) -> tuple[int, int, int]:
@@ -243,6 +229,40 @@ def launch_shape(item_elems: int, width: int) -> tuple[int, int, int]:
 def _next_power_of_2(x: int) -> int:
     """Smallest power of two >= ``x`` (as ``triton.next_power_of_2``, without importing Triton)."""
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+class _Shape:
+    """A route's launch constants for one alignment (cached per route): copy width, vector width,
+    tile, chunking and both sides' strides in elements."""
+
+    __slots__ = ("block", "chunk_elems", "dst_scalars", "item_elems", "multi_chunk", "num_warps", "rows",
+                 "src_scalars", "vec", "width")  # fmt: skip
+
+    def __init__(self, route: Route, align: int) -> None:
+        width = pick_width(align)
+        self.width = width
+        self.vec = 16 // width if align % 16 == 0 else 1  # the anchor itself is 16-byte aligned
+        self.chunk_elems = route.chunk_bytes // width
+        self.item_elems = self.chunk_elems * route.num_chunks
+        self.rows, self.block, self.num_warps = launch_shape(self.item_elems, width)
+        # Chunks laid end to end on both sides are one contiguous run: skip the per-element chunk split.
+        src, dst = route.src, route.dst
+        self.multi_chunk = route.num_chunks > 1 and not (src.s_chunk == dst.s_chunk == route.chunk_bytes)
+        self.src_scalars = _side_scalars(src, width)
+        self.dst_scalars = _side_scalars(dst, width)
+
+
+def _side_scalars(side: Side, width: int) -> tuple[int, ...]:
+    return (side.num_layers, side.s_kv // width, side.s_layer // width, side.s_page // width,
+            side.s_in_page // width, side.s_chunk // width, side.page_size, side.num_slots)  # fmt: skip
+
+
+def _shape(route: Route, align: int) -> _Shape:
+    key = ("triton", align)
+    shape = route.launch_state.get(key)
+    if shape is None:
+        shape = route.launch_state[key] = _Shape(route, align)
+    return shape
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,142 +288,28 @@ class _RawPointer:
         return f"_RawPointer(0x{self._ptr:x}, {self.dtype})"
 
 
-def _cpu_alias(side: Side, name: str) -> torch.Tensor:
-    """A uint8 tensor on the side's storage whose ``data_ptr()`` is the side's base address.
+def _cpu_alias(side: Side, tensors: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
+    """A uint8 tensor on the storage holding the side's base address, whose ``data_ptr()`` is that address.
 
     The interpreter accepts only real tensors (it stages each argument's storage), and CPU storages
     are used in place, so the raw addresses the kernel computes point into the caller's memory.
     """
-    storage = side.tensors[0].untyped_storage()
-    offset = side.base - storage.data_ptr()
-    if not 0 <= offset < max(storage.nbytes(), 1):
-        raise ValueError(f"{name}: base address 0x{side.base:x} lies outside its tensor's storage")
-    return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (storage.nbytes() - offset,))
+    for t in tensors:
+        storage = t.untyped_storage()
+        offset = side.base - storage.data_ptr()
+        if 0 <= offset < max(storage.nbytes(), 1):
+            return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (storage.nbytes() - offset,))
+    raise ValueError(f"{name}: base address 0x{side.base:x} lies outside its tensors' storage")
 
 
-TableKey = tuple[torch.device, tuple[int, ...]]
-
-
-class DeviceTables:
-    """Device copies of table sides' address lists, each kept exactly as long as the memory it describes.
-
-    Key ``(device, addresses)``: a table's content *is* its key, so a cached table is never stale. A
-    pool allocated at the addresses of a dead one gets a table that is right for it, whether it is
-    built afresh or the old entry is still there (its release pending): equal addresses, equal content.
-
-    Lifetime: each :meth:`get` names the tensors its addresses were taken from (``Side.tensors``: the
-    pool's layers; for sgl-kernel-style pointer tables, the caller's table tensor); the entry holds a
-    weak reference (:func:`weakref.finalize`) to each distinct storage among them and is dropped
-    when the last of them dies. Storages, not tensors: a stacked pool arrives as fresh
-    per-layer views on every call, which die right after it, while its storage is the memory itself
-    (torch keeps one Python object per storage, finalized when the memory goes). Pools that share an
-    entry (aliases of one buffer, a new pool at a dead one's addresses) each add their storages, so
-    one's death never frees a table another live pool reads, and a table read by a captured CUDA graph
-    lives as long as the pool the graph writes. Memory is bounded by live storages: each entry holds
-    at least one (there is no count limit: an LRU of 256 freed tables that captured graphs still read).
-
-    ``build(addresses, device)`` makes a table; it is injectable so the lifetimes can be tested on CPU.
-    """
-
-    def __init__(self, build: Callable[[tuple[int, ...], torch.device], torch.Tensor]) -> None:
-        self._build = build
-        # Re-entrant: a release runs from a finalizer, possibly from a garbage collection that get()
-        # itself triggers while it holds the lock.
-        self._lock = threading.RLock()
-        self._tables: dict[TableKey, torch.Tensor] = {}
-        self._owners: dict[TableKey, set[int]] = {}  # id() of each live storage keeping the entry
-
-    def __len__(self) -> int:
-        return len(self._tables)
-
-    def get(
-        self,
-        addresses: tuple[int, ...],
-        device: torch.device,
-        owners: Iterable[torch.Tensor],
-        *,
-        capturing: bool = False,
-    ) -> torch.Tensor:
-        """The table of ``addresses`` on ``device``, kept while any storage of ``owners`` lives.
-
-        Raises ``RuntimeError`` when it must be built while ``capturing`` (a CUDA-graph capture cannot
-        contain the blocking upload) and ``ValueError`` when ``owners`` is empty.
-        """
-        storages = {id(s): s for s in (t.untyped_storage() for t in owners)}
-        if not storages:
-            raise ValueError("owners: a device table needs the tensors whose memory it describes")
-        key = (device, addresses)
-        with self._lock:
-            table = self._tables.get(key)
-            if table is None:
-                if capturing:
-                    raise RuntimeError(
-                        "triton backend: this pool's device table is made by its first transfer, which cannot "
-                        "run under CUDA-graph capture; run one transfer with the same pool before capturing"
-                    )
-                table = self._build(addresses, device)
-            held = self._owners.get(key, set())
-            for sid, storage in storages.items():
-                if sid not in held:  # an id is unique while its storage lives; its finalizer runs before reuse
-                    weakref.finalize(storage, self._release, key, sid).atexit = False
-                    held.add(sid)
-            # (Re)inserted last: a collection triggered above may have finalized this entry's other owners
-            # and dropped it; the owners just added keep it.
-            self._tables[key] = table
-            self._owners[key] = held
-            return table
-
-    def _release(self, key: TableKey, sid: int) -> None:
-        with self._lock:
-            held = self._owners.get(key)
-            if held is None:
-                return
-            held.discard(sid)
-            if not held:
-                del self._owners[key], self._tables[key]
-
-
-def _upload_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # A blocking copy from pageable memory: complete on return, so any stream may read it afterwards.
-    return torch.tensor(addresses, dtype=torch.int64, device=device)
-
-
-_device_tables = DeviceTables(_upload_table)
-
-
-def _device_alias(host_ptr: int) -> int:
-    """Device address of pinned host memory: the extension's ``host_device_pointer`` when it can run
-    (the alias equals the host address under UVA on Linux x86-64, not everywhere, so ask), else the
-    host address itself (no extension, or a driver older than its static runtime: torch, which runs,
-    relies on UVA there too). Not cached by address: a freed pinned buffer's address can come back as
-    another allocation's, and the query costs well under a microsecond."""
-    if not cuda_runtime_status()[0]:
-        return host_ptr
-    return int(load_extension().host_device_pointer(host_ptr))
-
-
-def _is_host(side: Side) -> bool:
-    return not side.is_cuda
-
-
-def _check_pinned(side: Side) -> None:
-    for t in side.tensors:
-        if not t.is_pinned():
-            raise ValueError(
-                "host: a transfer with a CUDA device pool reads/writes the host pool zero-copy, which needs "
-                "pinned memory; got a non-pinned CPU tensor (allocate it with pin_memory=True)"
-            )
-
-
-def _cuda_side_arg(
-    side: Side, elem: torch.dtype, device: torch.device, alias: Callable[[int], int] | None, *, capturing: bool
-) -> Any:
-    """Kernel argument for a side on a CUDA launch: a cached table (kept while ``side.tensors``' memory
-    lives), or a raw pointer to the base. ``device`` is a tensor's, so it carries its index."""
-    if side.is_table:
-        addresses = side.table if alias is None else tuple(alias(a) for a in side.table)
-        return _device_tables.get(addresses, device, side.tensors, capturing=capturing)
-    return _RawPointer(side.base if alias is None else alias(side.base), elem)
+def _cpu_arg(route: Route, side: Side, tensors: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
+    if not side.is_table:
+        return _cpu_alias(side, tensors, name)
+    key = ("triton-cpu-table", name)
+    table = route.launch_state.get(key)
+    if table is None:  # the addresses as a CPU tensor; not a pool, so the route may keep it
+        table = route.launch_state[key] = torch.tensor(side.table, dtype=torch.int64)
+    return table
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,24 +321,27 @@ def run_triton(plan: TransferPlan) -> None:
     Parameters
     ----------
     plan : TransferPlan
-        From :func:`hicache_kernels.ops.build_plan`. ``src``/``dst`` may be affine or table sides;
-        ``src_indices``/``dst_indices`` are 1-D integer tensors of equal length ``n`` (slot indices).
-        CPU-only plans run under the Triton interpreter; plans with a CUDA side run on that GPU with
-        any CPU side addressed zero-copy (it must be pinned).
+        From :func:`hicache_kernels.ops.build_plan` (or a :class:`~hicache_kernels.binding.KVBinding`).
+        ``src``/``dst`` may be affine or table sides; ``src_indices``/``dst_indices`` are 1-D integer
+        tensors of equal length ``n`` (slot indices). CPU-only plans run under the Triton interpreter;
+        plans with a CUDA device pool run on that GPU with the host side addressed zero-copy (it
+        must be pinned).
 
     Raises
     ------
     BackendUnavailableError
         Triton does not import; CPU tensors without ``TRITON_INTERPRET=1``; CUDA tensors with it.
     ValueError
-        A CPU host side that is not pinned in a CUDA transfer (names ``host``); index tensors of
-        different lengths or not 1-D; sides on two different GPUs.
+        A host pool that is not pinned in a CUDA transfer (names ``host``); index tensors of
+        different lengths or not 1-D.
 
     Notes
     -----
-    Index pairs outside either side's ``[0, num_slots)`` are skipped (nothing read or written) even
-    when ``plan.checked`` is False. Destination indices must not repeat (a repeat is a race). The
-    call is asynchronous on CUDA: it enqueues on ``plan.stream`` (or the current stream) and returns.
+    Index pairs outside either side's ``[0, num_slots)`` are skipped (nothing read or written),
+    whether or not the indices were checked. Destination indices must not repeat (a repeat is a
+    race). The call is asynchronous on CUDA: it enqueues on ``plan.stream`` (or the current stream)
+    and returns. A route's launch constants, device tables and host alias are derived by its first
+    call and reused.
 
     Examples
     --------
@@ -441,8 +350,8 @@ def run_triton(plan: TransferPlan) -> None:
     >>> run_triton(plan)  # doctest: +SKIP
     """
     _import_triton()
-    src, dst = plan.src, plan.dst
-    on_cuda = src.is_cuda or dst.is_cuda
+    route = plan.route
+    on_cuda = route.on_cuda
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if on_cuda and interpret:
         raise BackendUnavailableError(
@@ -454,66 +363,34 @@ def run_triton(plan: TransferPlan) -> None:
             "the triton backend on CPU tensors needs TRITON_INTERPRET=1 (set before triton is imported)"
         )
 
-    for name, idx in (("src_indices", plan.src_indices), ("dst_indices", plan.dst_indices)):
+    src_idx, dst_idx = plan.src_indices, plan.dst_indices
+    for name, idx in (("src_indices", src_idx), ("dst_indices", dst_idx)):
         if idx.dim() != 1:
             raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(idx.shape)}")
-    n = plan.src_indices.numel()
-    if plan.dst_indices.numel() != n:
-        raise ValueError(f"dst_indices: expected {n} indices like src_indices, got {plan.dst_indices.numel()}")
-
-    device = None
+    n = src_idx.numel()
+    if dst_idx.numel() != n:
+        raise ValueError(f"dst_indices: expected {n} indices like src_indices, got {dst_idx.numel()}")
     if not on_cuda:
-        for name, idx in (("src_indices", plan.src_indices), ("dst_indices", plan.dst_indices)):
+        for name, idx in (("src_indices", src_idx), ("dst_indices", dst_idx)):
             if idx.device.type != "cpu":
                 raise ValueError(f"{name}: a transfer between CPU pools needs CPU indices, got {idx.device}")
-    else:
-        devices = {s.device for s in (src, dst) if s.is_cuda}
-        if len(devices) > 1:
-            raise ValueError(f"plan: src and dst are on different GPUs ({', '.join(map(str, devices))})")
-        device = devices.pop()
-        for side in (src, dst):
-            if _is_host(side):
-                _check_pinned(side)
+    elif not route.gpu_addressable:
+        raise ValueError(
+            "host: a transfer with a CUDA device pool reads/writes the host pool zero-copy, which needs "
+            "pinned memory; got a non-pinned CPU tensor (allocate it with pin_memory=True)"
+        )
 
-    units = plan.num_kv * plan.layer_count
-    if n == 0 or units == 0 or plan.num_chunks == 0 or plan.chunk_bytes == 0:
+    units = route.num_kv * route.layer_count
+    if n == 0 or units == 0 or route.num_chunks == 0 or route.chunk_bytes == 0:
         return  # nothing to move: launch nothing (a zero-sized grid is an error on CUDA)
     if units > MAX_UNITS:
         raise ValueError(f"plan: {units} (kv, layer) units exceed the grid limit {MAX_UNITS}")
-
-    alias = _device_alias if on_cuda else None
-    values = [*_side_values(src), *_side_values(dst), plan.chunk_bytes]
-    if alias is not None:  # the aliases are what the GPU adds to; they keep the host's alignment under UVA
-        for side in (src, dst):
-            if _is_host(side):
-                values += [alias(a) for a in (side.table if side.is_table else (side.base,))]
-    width = pick_width(values)
-    elem = _WIDTH_DTYPES[width]
-    vec = 16 // width if _gcd(values) % 16 == 0 else 1  # the anchor itself is 16-byte aligned
-    chunk_elems = plan.chunk_bytes // width
-    item_elems = chunk_elems * plan.num_chunks
-    rows, block, num_warps = launch_shape(item_elems, width)
-    # Chunks laid end to end on both sides are one contiguous run: skip the per-element chunk split.
-    multi_chunk = plan.num_chunks > 1 and not (src.s_chunk == dst.s_chunk == plan.chunk_bytes)
-    grid = (_cdiv(n, rows), units)
-
-    src_idx, dst_idx = plan.src_indices, plan.dst_indices
     kernel = _kernel(interpret)
 
-    def side_scalars(side: Side) -> list[int]:
-        return [
-            side.num_layers,
-            side.s_kv // width,
-            side.s_layer // width,
-            side.s_page // width,
-            side.s_in_page // width,
-            side.s_chunk // width,
-            side.page_size,
-            side.num_slots,
-        ]
-
-    def launch(src_arg: Any, dst_arg: Any, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
-        kernel[grid](
+    def launch(shape: _Shape, device: torch.device | None, src_arg: Any, dst_arg: Any, s_idx: torch.Tensor,
+               d_idx: torch.Tensor) -> None:  # fmt: skip
+        width = shape.width
+        kernel[(_cdiv(n, shape.rows), units)](
             _anchor(width, device),
             src_arg,
             dst_arg,
@@ -522,48 +399,44 @@ def run_triton(plan: TransferPlan) -> None:
             s_idx.stride(0),
             d_idx.stride(0),
             n,
-            plan.layer_begin,
-            plan.layer_count,
-            item_elems,
-            chunk_elems,
-            *side_scalars(src),
-            *side_scalars(dst),
-            SRC_TABLE=src.is_table,
-            DST_TABLE=dst.is_table,
-            MULTI_CHUNK=multi_chunk,
+            route.layer_begin,
+            route.layer_count,
+            shape.item_elems,
+            shape.chunk_elems,
+            *shape.src_scalars,
+            *shape.dst_scalars,
+            SRC_TABLE=route.src.is_table,
+            DST_TABLE=route.dst.is_table,
+            MULTI_CHUNK=shape.multi_chunk,
             ELEM=_tl_elem(width),
             WIDTH=width,
-            VEC=vec,
-            ROWS=rows,
-            BLOCK=block,
-            num_warps=num_warps,
+            VEC=shape.vec,
+            ROWS=shape.rows,
+            BLOCK=shape.block,
+            num_warps=shape.num_warps,
         )
 
     if not on_cuda:
-        args = []
-        for side, name in ((src, "plan.src"), (dst, "plan.dst")):
-            if side.is_table:
-                args.append(torch.tensor(side.table, dtype=torch.int64))
-            else:
-                args.append(_cpu_alias(side, name))
-        launch(args[0], args[1], src_idx, dst_idx)
+        src_arg = _cpu_arg(route, route.src, plan.src_tensors, "plan.src")
+        dst_arg = _cpu_arg(route, route.dst, plan.dst_tensors, "plan.dst")
+        launch(_shape(route, route.alignment()), None, src_arg, dst_arg, src_idx, dst_idx)
         return
 
+    device = route.device
     stream_ctx = torch.cuda.stream(plan.stream) if plan.stream is not None else contextlib.nullcontext()
-    with torch.cuda.device(device), stream_ctx:
-        capturing = torch.cuda.is_current_stream_capturing()
-        src_arg = _cuda_side_arg(src, elem, device, alias if _is_host(src) else None, capturing=capturing)
-        dst_arg = _cuda_side_arg(dst, elem, device, alias if _is_host(dst) else None, capturing=capturing)
+    with torch.cuda.device(device.index), stream_ctx:
+        capture = launch_state.capturing()
+        g = launch_state.gpu_route(plan, capturing=capture)
+        shape = _shape(route, g.align)
+        elem = _WIDTH_DTYPES[shape.width]
+        src_arg = g.src.table if g.src.table is not None else _RawPointer(g.src.base, elem)
+        dst_arg = g.dst.table if g.dst.table is not None else _RawPointer(g.dst.base, elem)
         # CPU indices are copied on the launch stream, so the copy is ordered before the kernel.
         s_idx = src_idx if src_idx.device == device else src_idx.to(device, non_blocking=True)
         d_idx = dst_idx if dst_idx.device == device else dst_idx.to(device, non_blocking=True)
-        if not capturing:
-            # A table is freed when its pool's memory dies, which may be before this launch, queued
-            # on another stream, has run; recording the stream keeps its memory from being reused until then.
-            for arg in (src_arg, dst_arg):
-                if isinstance(arg, torch.Tensor):
-                    arg.record_stream(torch.cuda.current_stream(device))
-        launch(src_arg, dst_arg, s_idx, d_idx)
+        if not capture:
+            g.use_tables_on(torch._C._cuda_getCurrentRawStream(device.index), None)
+        launch(shape, device, src_arg, dst_arg, s_idx, d_idx)
 
 
 _anchors: dict[tuple[str, int], torch.Tensor] = {}

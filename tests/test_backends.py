@@ -1,6 +1,7 @@
 """Backend plumbing on CPU: auto's choice and persisted thresholds, batch's fallbacks, the device
 each launch runs on, what an old CUDA driver makes unavailable, and the arguments the kernel backend
-hands to the extension (a recording fake stands in for CUDA, and one for torch.cuda.device)."""
+hands to the extension (a recording fake stands in for CUDA, one for torch.cuda.device, and a CPU
+table builder for the device tables)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import hicache_kernels
-from hicache_kernels import BackendUnavailableError, _ext, backends, ops
+from hicache_kernels import BackendUnavailableError, _ext, backends, launch, ops
 from hicache_kernels.backends import AutoBackend, BatchBackend, DirectBackend, KernelBackend, get_backend
 
 from kvdata import expected_after, make_indices, make_pools
@@ -21,13 +22,22 @@ needs_extension = pytest.mark.skipif(
     not hicache_kernels.build_info()["cuda_built"], reason="the CUDA extension was not built (HICACHE_SKIP_CUDA)"
 )
 
+CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
-def plan_for(layout="page_first", page_size=1, mla=False, direction="d2h"):
+
+def as_cuda(plan, device=CUDA0):
+    """``plan`` as if its device pool were on ``device`` with a pinned host pool (the CPU tensors stay
+    where they are: the fakes below stand in for everything that would touch them as CUDA memory)."""
+    return dataclasses.replace(plan, route=dataclasses.replace(plan.route, device=device, gpu_addressable=True))
+
+
+def plan_for(layout="page_first", page_size=1, mla=False, direction="d2h", device=None):
+    """A plan over fresh pools (on the CPU, or ``device`` for pretend-CUDA tests, see :func:`as_cuda`)."""
     pools = make_pools(layout=layout, mla=mla, dtype=torch.float16, page_size=page_size, direction=direction)
     d_idx, h_idx = make_indices("pages", 96, 48 if page_size == 1 else 4 * page_size, page_size, count=8, seed=0)
     plan = ops.build_plan(direction, pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout=layout,
                           page_size=page_size)  # fmt: skip
-    return plan, pools
+    return (plan if device is None else as_cuda(plan, device)), pools
 
 
 class FakeStream:
@@ -43,8 +53,8 @@ class CurrentDevice:
 
     current = torch.device("cuda", 0)
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
+    def __init__(self, device: torch.device | int) -> None:
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
     def __enter__(self) -> None:
         self.previous = type(self).current
@@ -54,19 +64,46 @@ class CurrentDevice:
         type(self).current = self.previous
 
 
+class Tables:
+    """Device tables built on the CPU, recording each build (``built``) and each (table, stream
+    handle) the launch told the allocator about (``streams``)."""
+
+    def __init__(self) -> None:
+        self.built: list[torch.Tensor] = []
+        self.streams: list[tuple[torch.Tensor, int]] = []
+        self.cache = launch.DeviceTables(self.build)
+
+    def build(self, addresses, device) -> torch.Tensor:
+        self.built.append(torch.tensor(addresses, dtype=torch.int64))
+        return self.built[-1]
+
+
 def pretend_cuda(monkeypatch, handle=7, runtime_ok=True):
-    """Make backends treat the (CPU) plan as a CUDA one with the given stream handle. The extension's
-    runtime counts as runnable unless ``runtime_ok`` is None (then the real check decides). Returns
-    the fake current device."""
-    monkeypatch.setattr(backends, "_stream", lambda plan: FakeStream(handle))
-    monkeypatch.setattr(backends, "_cuda_reason", lambda plan: None)
-    monkeypatch.setattr(backends, "_pinned_reason", lambda plan: None)
-    monkeypatch.setattr(backends.Side, "is_cuda", property(lambda self: True))
+    """Make backends treat plans made with ``device=CUDA0`` (or :func:`as_cuda`) as CUDA ones, launched
+    on the given stream handle. The extension's runtime counts as runnable unless ``runtime_ok`` is
+    None (then the real check decides). Returns the fake current device and the fake tables."""
+    stream = FakeStream(handle)
+    monkeypatch.setattr(backends, "_stream", lambda plan: stream)
+    monkeypatch.setattr(backends, "_stream_handle", lambda plan: (handle, stream))
     if runtime_ok is not None:
         monkeypatch.setattr(backends, "cuda_runtime_status", lambda: (True, "ok"))
+        monkeypatch.setattr(launch, "cuda_runtime_status", lambda: (True, "ok"))
+    monkeypatch.setattr(launch, "capturing", lambda: False)
+    tables = Tables()
+    monkeypatch.setattr(launch, "device_tables", tables.cache)
+    monkeypatch.setattr(launch, "record_stream", lambda t, s: tables.streams.append((t, s.cuda_stream)))
+    # Moving indices to a CUDA device is what the CPU cannot do: the launch gets them as they are.
+    monkeypatch.setattr(KernelBackend, "_launch_indices", staticmethod(lambda plan, device, stream: (
+        plan.src_indices, plan.dst_indices)))  # fmt: skip
     current = type("CurrentDeviceOfThisTest", (CurrentDevice,), {"current": torch.device("cuda", 0)})
     monkeypatch.setattr(torch.cuda, "device", current)
-    return current
+    return current, tables
+
+
+def use_ext(monkeypatch, ext) -> None:
+    """Every extension call (launches, host aliases) goes to ``ext``."""
+    monkeypatch.setattr(backends, "load_extension", lambda: ext)
+    monkeypatch.setattr(launch, "load_extension", lambda: ext)
 
 
 ERROR_NAMES = {
@@ -96,7 +133,7 @@ class RecordingExt:
             if name == "error_name":
                 return ERROR_NAMES[args[0]]
             if name == "host_device_pointer":
-                return args[0]
+                return args[0] + 4096  # an alias that differs from the host address (and keeps its alignment)
             return None
 
         return record
@@ -144,7 +181,7 @@ def test_auto_on_cpu_uses_direct():
 )
 def test_auto_choice(monkeypatch, page_size, threshold, handle, expected):
     pretend_cuda(monkeypatch, handle)
-    plan, _ = plan_for(layout="page_first_direct", page_size=page_size)
+    plan, _ = plan_for(layout="page_first_direct", page_size=page_size, device=CUDA0)
     auto = AutoBackend(thresholds={"kernel_max_fragment_bytes": threshold})
     assert auto.choose(plan).name == expected
 
@@ -152,8 +189,8 @@ def test_auto_choice(monkeypatch, page_size, threshold, handle, expected):
 def test_batch_issues_one_call_with_all_pieces(monkeypatch):
     pretend_cuda(monkeypatch)
     ext = RecordingExt()
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    plan, _ = plan_for(layout="layer_first", page_size=1)
+    use_ext(monkeypatch, ext)
+    plan, _ = plan_for(layout="layer_first", page_size=1, device=CUDA0)
     BatchBackend().run(plan)
     (name, args), = ext.calls  # fmt: skip
     assert name == "memcpy_batch"
@@ -174,8 +211,8 @@ def test_batch_issues_one_call_with_all_pieces(monkeypatch):
 def test_batch_falls_back_to_direct_and_says_so(monkeypatch, handle, code, reason, called):
     pretend_cuda(monkeypatch, handle)
     ext = RecordingExt(batch_code=code)
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    plan, _ = plan_for()
+    use_ext(monkeypatch, ext)
+    plan, _ = plan_for(device=CUDA0)
     batch = BatchBackend()
     with pytest.warns(RuntimeWarning, match=reason):
         batch.run(plan)
@@ -190,8 +227,8 @@ def test_batch_raises_on_other_errors(monkeypatch, recwarn, code):
     raises, naming the error: it must not pass for a working backend by falling back."""
     pretend_cuda(monkeypatch)
     ext = RecordingExt(batch_code=code)
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    plan, _ = plan_for()
+    use_ext(monkeypatch, ext)
+    plan, _ = plan_for(device=CUDA0)
     batch = BatchBackend()
     with pytest.raises(RuntimeError, match=f"cudaMemcpyBatchAsync failed: {ERROR_NAMES[code]}"):
         batch.run(plan)
@@ -204,43 +241,75 @@ def test_batch_raises_on_other_errors(monkeypatch, recwarn, code):
     ("layout", "head_num", "head_dim", "align"), [("page_first", 2, 8, 16), ("page_head", 3, 3, 2)]
 )
 def test_kernel_backend_passes_geometry_and_alignment(monkeypatch, layout, head_num, head_dim, align):
-    pretend_cuda(monkeypatch)
+    _, tables = pretend_cuda(monkeypatch)
     ext = RecordingExt()
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    table = torch.zeros(6, dtype=torch.int64)
-    monkeypatch.setattr(KernelBackend, "device_table", lambda self, side: table)
+    use_ext(monkeypatch, ext)
     pools = make_pools(layout=layout, mla=False, dtype=torch.float16, page_size=4, head_num=head_num,
                        head_dim=head_dim)  # fmt: skip
     d_idx, h_idx = make_indices("random", 96, 16, 4, count=5, seed=1)
-    plan = ops.build_plan("h2d", pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout=layout,
-                          page_size=4, layer_id=2)  # fmt: skip
+    plan = as_cuda(ops.build_plan("h2d", pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout=layout,
+                                  page_size=4, layer_id=2))  # fmt: skip
     KernelBackend(num_blocks=3, warps_per_block=8).run(plan)
     name, args = ext.calls[-1]
     assert name == "transfer"
+    alias = pools.host.data_ptr() + 4096  # what the fake host_device_pointer answers
+    assert ("host_device_pointer", (pools.host.data_ptr(),)) in ext.calls
     src_desc, src_table, dst_desc, dst_table = args[:4]
     assert (src_table, dst_table) == (False, True)
-    assert src_desc[0] == pools.host.data_ptr() and src_desc[1:] == plan.src.desc()[1:]
+    assert src_desc[0] == alias and src_desc[1:] == plan.src.desc()[1:]  # the host pool through its alias
+    (table,) = tables.built  # the device pool's layer addresses, K then V
+    layer_bytes = pools.device_k[0].nbytes
+    assert table.tolist() == [pool.data_ptr() + i * layer_bytes for pool in (pools.device_k, pools.device_v)
+                              for i in range(3)]  # fmt: skip
     assert dst_desc[0] == table.data_ptr() and dst_desc[1:] == plan.dst.desc()[1:]
     n, layer_begin, layer_count, num_kv, num_chunks, chunk_bytes, got_align, blocks, warps = args[6:15]
     assert (n, layer_begin, layer_count, num_kv, num_chunks) == (5, 2, 1, 2, plan.num_chunks)
     assert chunk_bytes == plan.chunk_bytes and (blocks, warps) == (3, 8)
     # The greatest common divisor of every address, stride and size the kernel will use.
-    used = [pools.host.data_ptr(), *plan.dst.table, chunk_bytes, *plan.src.desc()[2:7], *plan.dst.desc()[2:7]]
+    used = [pools.host.data_ptr(), alias, *plan.dst.table, chunk_bytes, *plan.src.desc()[2:7], *plan.dst.desc()[2:7]]
     assert got_align == math.gcd(*used)
     assert got_align % align == 0
+
+
+def test_kernel_backend_prepares_a_route_once(monkeypatch):
+    """What does not change between calls is built by the first launch of a pool pair: later launches
+    (new indices, other layers) upload no table, ask no alias, record no stream: they only launch."""
+    _, tables = pretend_cuda(monkeypatch)
+    ext = RecordingExt()
+    use_ext(monkeypatch, ext)
+    pools = make_pools(layout="page_first_direct", mla=True, dtype=torch.bfloat16, page_size=4)
+    kernel = KernelBackend()
+
+    def plan(layer_id, seed):
+        d_idx, h_idx = make_indices("random", 96, 16, 4, count=5, seed=seed)
+        return ops.build_plan("h2d", pools.device_k, None, pools.host, d_idx, h_idx, layout="page_first_direct",
+                              page_size=4, layer_id=layer_id)  # fmt: skip
+
+    first = as_cuda(plan(1, 0))
+    kernel.run(first)
+    assert [c for c, _ in ext.calls] == ["host_device_pointer", "transfer"]
+    (table,) = tables.built
+    assert tables.streams == [(table, 7)]
+    again = plan(1, 1)
+    assert again.route is plan(1, 2).route  # the ops found the binding and its route again
+    kernel.run(dataclasses.replace(again, route=first.route))  # that route as the first launch left it
+    kernel.run(as_cuda(plan(2, 3)))  # another layer: a new route over the same, prepared sides
+    assert [c for c, _ in ext.calls[2:]] == ["transfer", "transfer"]
+    assert len(tables.built) == 1 and tables.streams == [(table, 7)]
+    assert ext.calls[-2][1][5] == again.dst_indices.data_ptr()  # each launch reads its own call's indices
+    assert ext.calls[-1][1][7:9] == (2, 1)  # layer_begin, layer_count
 
 
 def test_kernel_backend_passes_a_skip_counter_only_when_asked(monkeypatch):
     pretend_cuda(monkeypatch)
     ext = RecordingExt()
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    monkeypatch.setattr(KernelBackend, "device_table", lambda self, side: torch.zeros(6, dtype=torch.int64))
-    plan, _ = plan_for()
+    use_ext(monkeypatch, ext)
+    plan, _ = plan_for(device=CUDA0)
     KernelBackend().run(plan)
     assert ext.calls[-1][1][15] == 0
     counting = KernelBackend(count_skipped=True)
+    counter = counting._skipped[CUDA0] = torch.zeros(1, dtype=torch.int32)  # a CUDA counter, on the CPU
     counting.run(plan)
-    counter = counting._skipped[plan.src.device]
     assert ext.calls[-1][1][15] == counter.data_ptr()
     counter.fill_(7)  # as the kernel would after skipping units
     assert counting.skipped() == 7 and counting.skipped() == 0
@@ -259,47 +328,34 @@ def test_registry():
 # ------------------------------------------------------------- the device each launch runs on (#5)
 
 
-def on_second_gpu(monkeypatch):
-    """The plan's device pool (its table side) counts as living on cuda:1; the host pool stays on the CPU."""
-    second = torch.device("cuda", 1)
-    monkeypatch.setattr(
-        backends.Side, "device", property(lambda self: second if self.is_table else torch.device("cpu"))
-    )
-
-
 LAUNCHES = {KernelBackend: "transfer", DirectBackend: "memcpy_fragments", BatchBackend: "memcpy_batch"}
 
 
 @pytest.mark.parametrize("backend", LAUNCHES, ids=lambda b: b.name)
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_launches_run_on_the_device_pools_device(monkeypatch, backend, direction):
-    """With cuda:0 current and the device pool on cuda:1, every extension call runs with cuda:1
-    current, and cuda:0 is current again afterwards."""
-    current = pretend_cuda(monkeypatch)
+    """With cuda:0 current and the device pool on cuda:1, every extension call (the kernel's first
+    one asks the host pool's alias) runs with cuda:1 current, and cuda:0 is current again afterwards."""
+    current, _ = pretend_cuda(monkeypatch)
     ext = RecordingExt(current=current)
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    monkeypatch.setattr(KernelBackend, "device_table", lambda self, side: torch.zeros(6, dtype=torch.int64))
-    # Moving the indices to a CUDA device is what the CPU cannot do: the launch gets them as they are.
-    as_they_are = staticmethod(lambda plan, device, stream: [plan.src_indices, plan.dst_indices])
-    monkeypatch.setattr(KernelBackend, "_launch_indices", as_they_are)
-    on_second_gpu(monkeypatch)
-    plan, _ = plan_for(direction=direction)
+    use_ext(monkeypatch, ext)
+    plan, _ = plan_for(direction=direction, device=CUDA1)
     backend().run(plan)
     assert LAUNCHES[backend] in [name for name, _ in ext.calls]
-    assert ext.devices and all(d == torch.device("cuda", 1) for d in ext.devices), ext.devices
-    assert current.current == torch.device("cuda", 0)
+    assert ext.devices and all(d == CUDA1 for d in ext.devices), ext.devices
+    assert current.current == CUDA0
 
 
-def test_a_stream_on_another_device_is_refused(monkeypatch):
-    monkeypatch.setattr(backends.Side, "is_cuda", property(lambda self: True))
-    on_second_gpu(monkeypatch)
-    plan, _ = plan_for()
-    plan = dataclasses.replace(plan, stream=FakeStream(7, torch.device("cuda", 0)))
-    with pytest.raises(
-        ValueError, match=r"stream: expected a stream on the device pool's device cuda:1, got one on cuda:0"
-    ):
-        backends._stream(plan)
-    assert backends._stream(dataclasses.replace(plan, stream=FakeStream(7, torch.device("cuda", 1)))).cuda_stream == 7
+def test_a_stream_on_another_device_is_refused():
+    plan, _ = plan_for(device=CUDA1)
+    wrong = dataclasses.replace(plan, stream=FakeStream(7, CUDA0))
+    for stream_of in (backends._stream, backends._stream_handle):  # copy engines, kernel
+        with pytest.raises(
+            ValueError, match=r"stream: expected a stream on the device pool's device cuda:1, got one on cuda:0"
+        ):
+            stream_of(wrong)
+    right = dataclasses.replace(plan, stream=FakeStream(7, CUDA1))
+    assert backends._stream(right).cuda_stream == 7 and backends._stream_handle(right) == (7, right.stream)
 
 
 # --------------------------------------------------------------- what an old driver allows (#6)
@@ -346,8 +402,8 @@ def test_cuda_runtime_status_names_the_driver(monkeypatch, version, ok, says):
 def test_kernel_and_batch_say_the_driver_is_too_old(monkeypatch, backend):
     pretend_cuda(monkeypatch, runtime_ok=None)
     ext = RecordingExt()
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    plan, _ = plan_for()
+    use_ext(monkeypatch, ext)
+    plan, _ = plan_for(device=CUDA0)
     driver(monkeypatch, 12040)
     assert "the NVIDIA driver supports CUDA 12.4, older than the CUDA 13.0" in backend().unavailable(plan)
     with pytest.raises(
@@ -366,8 +422,8 @@ def test_kernel_and_batch_say_the_driver_is_too_old(monkeypatch, backend):
 def test_auto_picks_what_the_driver_can_run(monkeypatch, version, small, large):
     pretend_cuda(monkeypatch, runtime_ok=None)
     driver(monkeypatch, version)
-    small_plan, _ = plan_for(layout="page_first_direct", page_size=1)  # 32-byte fragments
-    large_plan, _ = plan_for(layout="page_first_direct", page_size=16)  # 512-byte fragments
+    small_plan, _ = plan_for(layout="page_first_direct", page_size=1, device=CUDA0)  # 32-byte fragments
+    large_plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)  # 512-byte fragments
     auto = AutoBackend(thresholds={"kernel_max_fragment_bytes": 64})
     assert (auto.choose(small_plan).name, auto.choose(large_plan).name) == (small, large)
 
@@ -377,9 +433,9 @@ def test_auto_picks_what_the_driver_can_run(monkeypatch, version, small, large):
 def test_direct_copies_with_torch_when_the_driver_is_too_old(monkeypatch, version, through_extension):
     pretend_cuda(monkeypatch, runtime_ok=None)
     ext = RecordingExt()
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
+    use_ext(monkeypatch, ext)
     driver(monkeypatch, version)
-    plan, pools = plan_for()
+    plan, pools = plan_for(device=CUDA0)
     expected = expected_after(pools, "d2h", plan.src_indices, plan.dst_indices, None)
     DirectBackend().run(plan)
     assert ("memcpy_fragments" in [name for name, _ in ext.calls]) is through_extension
@@ -424,25 +480,24 @@ def test_prepared_copy_plans_once_and_copies_current_contents(monkeypatch, name)
 
 @pytest.mark.parametrize("name", ["direct", "batch", "kernel"])
 def test_prepare_does_the_host_work_and_issue_only_calls_the_extension(monkeypatch, name):
-    plan, _ = plan_for(page_size=4)
-    current = pretend_cuda(monkeypatch)
+    plan, _ = plan_for(page_size=4, device=CUDA1)
+    current, _ = pretend_cuda(monkeypatch)
     ext = RecordingExt(current=current)
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    monkeypatch.setattr(KernelBackend, "_launch_indices", staticmethod(lambda plan, device, stream: [
-        plan.src_indices, plan.dst_indices]))  # fmt: skip
+    use_ext(monkeypatch, ext)
     copy = get_backend(name).prepare(plan)
     launches = {"direct": "memcpy_fragments", "batch": "memcpy_batch", "kernel": "transfer"}[name]
     assert [c for c, _ in ext.calls if c == launches] == []  # nothing issued by prepare
     before = len(ext.calls)
     monkeypatch.setattr(backends, "plan_fragments", lambda p: pytest.fail("planned at issue"))
-    monkeypatch.setattr(KernelBackend, "_desc", lambda self, side: pytest.fail("described at issue"))
+    monkeypatch.setattr(launch, "gpu_route", lambda plan, capturing: pytest.fail("described at issue"))
+    monkeypatch.setattr(launch, "device_alias", lambda ptr: pytest.fail("aliased at issue"))
     copy()
     copy()
     issued = ext.calls[before:]
     assert [c for c, _ in issued] == [launches, launches]  # issue: the launch, nothing else
     assert issued[0] == issued[1]  # the same arguments (arrays built once, kept alive)
     # Each issue ran with the pool's device made current (the fake guard starts on cuda:0).
-    assert ext.devices[before:] == [backends._device_side(plan).device] * 2
+    assert ext.devices[before:] == [CUDA1] * 2
 
 
 def test_prepare_refuses_an_unavailable_backend_before_any_work(monkeypatch):
@@ -454,9 +509,7 @@ def test_prepare_refuses_an_unavailable_backend_before_any_work(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- old drivers elsewhere
 @needs_extension
-def test_triton_host_alias_asks_the_extension_only_when_its_runtime_can_run(monkeypatch):
-    from hicache_kernels import triton_transfer
-
+def test_host_alias_asks_the_extension_only_when_its_runtime_can_run(monkeypatch):
     asked = []
 
     class Ext:
@@ -465,11 +518,11 @@ def test_triton_host_alias_asks_the_extension_only_when_its_runtime_can_run(monk
             asked.append(p)
             return p + 1
 
-    monkeypatch.setattr(triton_transfer, "load_extension", lambda: Ext)
+    monkeypatch.setattr(launch, "load_extension", lambda: Ext)
     monkeypatch.setattr(_ext, "driver_version", lambda: 12040)  # too old for the CUDA 13 runtime
-    assert triton_transfer._device_alias(4096) == 4096 and asked == []  # UVA: the host address, no call
+    assert launch.device_alias(4096) == 4096 and asked == []  # UVA: the host address, no call
     monkeypatch.setattr(_ext, "driver_version", lambda: 13000)
-    assert triton_transfer._device_alias(4096) == 4097 and asked == [4096]
+    assert launch.device_alias(4096) == 4097 and asked == [4096]
 
 
 @needs_extension

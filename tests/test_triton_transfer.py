@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import math
 import os
 import sys
 import weakref
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hicache_kernels import BackendUnavailableError, layouts, ops
+from hicache_kernels import BackendUnavailableError, launch, layouts, ops
 from hicache_kernels import triton_transfer as tt
 from hicache_kernels.reference import reference_transfer
 
@@ -242,7 +243,7 @@ def test_stacked_device_pool() -> None:
     [([], 8), ([0], 8), ([16, 0, 8], 8), ([656], 8), ([12, 8], 4), ([6], 2), ([4096, 18], 2), ([5], 1), ([8, 3], 1)],
 )
 def test_pick_width(values: list[int], width: int) -> None:
-    assert tt.pick_width(values) == width
+    assert tt.pick_width(math.gcd(*values)) == width
 
 
 @pytest.mark.parametrize(
@@ -297,7 +298,6 @@ def test_out_of_range_pairs_write_nothing_when_unchecked(layout: str, direction:
     assert int(valid.sum()) == 4
     want = _expected(case, pools, dev_idx[valid], host_idx[valid])
     plan = _plan(case, pools, dev_idx, host_idx, check_indices=False)
-    assert plan.checked is False
     tt.run_triton(plan)
     _assert_pools_equal(pools, want)
 
@@ -353,7 +353,7 @@ def test_mismatched_index_lengths_raise() -> None:
 CPU = torch.device("cpu")
 
 
-def _tables() -> tuple[tt.DeviceTables, list[tuple[int, ...]]]:
+def _tables() -> tuple[launch.DeviceTables, list[tuple[int, ...]]]:
     """A fresh cache with a recording CPU builder: ``built`` lists every table it had to make."""
     built: list[tuple[int, ...]] = []
 
@@ -361,7 +361,7 @@ def _tables() -> tuple[tt.DeviceTables, list[tuple[int, ...]]]:
         built.append(addresses)
         return torch.tensor(addresses, dtype=torch.int64, device=device)
 
-    return tt.DeviceTables(build), built
+    return launch.DeviceTables(build), built
 
 
 def _layer_pool(layers: int = 2) -> list[torch.Tensor]:
@@ -460,24 +460,26 @@ def test_device_table_is_not_built_under_capture() -> None:
     assert cache.get(_addresses(pool), CPU, pool, capturing=True) is table
 
 
-def test_cuda_side_arg_ties_the_table_to_the_plans_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launcher hands the cache the side's tensors: the table of a stacked device pool lives as
-    long as that pool, not as long as the plan's per-layer views."""
+def test_gpu_side_ties_the_table_to_the_plans_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch hands the table cache the plan's tensors: the table of a stacked device pool lives as
+    long as that pool (not the per-call plan), and is made once for every route over it."""
     cache, built = _tables()
-    monkeypatch.setattr(tt, "_device_tables", cache)
+    monkeypatch.setattr(launch, "device_tables", cache)
     case = Case("page_first", False, torch.float16, 1, 2, 8, None, "h2d", num_layers=2, n=3)
     pools = _pools(case)
     k, v = torch.stack(pools.k), torch.stack(pools.v)
     dev_idx, host_idx = _indices(case, 0)
 
-    def table(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        plan = ops.build_plan("h2d", k, v, pools.host, dev_idx, host_idx, layout=case.layout, page_size=1)
-        return tt._cuda_side_arg(plan.dst, torch.int64, CPU, None, capturing=False)
+    def table(k: torch.Tensor, v: torch.Tensor, layer_id: int | None = None) -> torch.Tensor:
+        plan = ops.build_plan("h2d", k, v, pools.host, dev_idx, host_idx, layout=case.layout, page_size=1,
+                              layer_id=layer_id)  # fmt: skip
+        return launch.gpu_route(plan, capturing=False).dst.table
 
     first = table(k, v)
     gc.collect()
-    assert table(k, v) is first and len(cache) == 1
+    assert table(k, v) is first and table(k, v, layer_id=1) is first and len(cache) == 1 and len(built) == 1
     assert first.tolist() == [t.data_ptr() for t in [*k.unbind(0), *v.unbind(0)]]
+    first = None
     del k
     gc.collect()
     assert len(cache) == 1  # v's storage still lives
@@ -589,11 +591,11 @@ def test_gpu_captured_table_outlives_many_other_pools() -> None:
         tt.run_triton(plan)
     torch.cuda.synchronize()
     gc.collect()
-    tables = len(tt._device_tables)
+    tables = len(launch.device_tables)
 
     others = _loaded_other_pools(case, pools.host, dev_idx, host_idx, count=400)
     torch.cuda.synchronize()
-    assert len(tt._device_tables) == tables + len(others)
+    assert len(launch.device_tables) == tables + len(others)
     loaded = [t.clone() for o in others for t in o.k + o.v]
 
     for t in pools.k + pools.v:
@@ -609,7 +611,7 @@ def test_gpu_captured_table_outlives_many_other_pools() -> None:
 
     del others, layers, loaded
     gc.collect()
-    assert len(tt._device_tables) == tables  # their tables went with them
+    assert len(launch.device_tables) == tables  # their tables went with them
 
 
 def _loaded_other_pools(
