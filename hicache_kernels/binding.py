@@ -476,6 +476,8 @@ class LayerLoads:
             with torch.cuda.stream(stream):  # ordered before every launch on that stream
                 h_idx, d_idx = (t.to(route.device, non_blocking=True) for t in (h_idx, d_idx))
         self._pools = binding._pools
+        self.binding, self.stream = binding, stream
+        self.device_indices, self.host_indices = d_idx, h_idx  # where the backend reads them
         self._args = (h_idx, d_idx, stream, whole.src_tensors, whole.dst_tensors)
         self._issues: list[Callable[[], None] | None] = [None] * binding.num_layers
 

@@ -107,3 +107,35 @@ def evict_and_reload(cache: HiRadixCache, tokens: list[int], wait_layer: int | N
     slots = cache.match_prefix(tokens).device_indices
     check_kv(cache, tokens, slots)
     return slots
+
+
+def wrap_copies(monkeypatch, kind: str, around) -> None:
+    """Route the controller's copies through ``around(issue, call)``, where ``issue()`` performs the
+    real copy and ``call`` describes it: ``kind="backup"`` wraps each backup op
+    (:meth:`KVBinding.backup`; ``call.layer_id`` is None), ``kind="load_layer"`` each layer of a
+    layer-wise load (:class:`LayerLoads`; ``call.layer_id``, ``call.stream``, ``call.binding``,
+    ``call.device_indices``)."""
+    from types import SimpleNamespace
+
+    from hicache_kernels.binding import KVBinding, LayerLoads
+
+    if kind == "backup":
+        real_backup = KVBinding.backup
+
+        def backup(self, device_indices, host_indices, **kwargs):
+            call = SimpleNamespace(layer_id=None, stream=kwargs.get("stream"), binding=self,
+                                   device_indices=device_indices)  # fmt: skip
+            return around(lambda: real_backup(self, device_indices, host_indices, **kwargs), call)
+
+        monkeypatch.setattr(KVBinding, "backup", backup)
+    elif kind == "load_layer":
+        real_call = LayerLoads.__call__
+
+        def load_layer(self, layer_id):
+            call = SimpleNamespace(layer_id=layer_id, stream=self.stream, binding=self.binding,
+                                   device_indices=self.device_indices)  # fmt: skip
+            return around(lambda: real_call(self, layer_id), call)
+
+        monkeypatch.setattr(LayerLoads, "__call__", load_layer)
+    else:
+        raise ValueError(f"kind: expected 'backup' or 'load_layer', got {kind!r}")

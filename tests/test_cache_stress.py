@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hicache import DeviceKVPool, HiRadixCache, HostKVPool, SlotState
 from hicache.radix_cache import TreeNode
 
-from cachedata import check_kv, kv_value
+from cachedata import check_kv, kv_value, wrap_copies
 
 # Tiny heads: the KV of a token is 2 layers x 1 head x 4 elements. HEAD_DIM 4 (cachedata's) so that
 # cachedata.kv_value / check_kv describe the same bytes the vectorized helpers below write and check.
@@ -928,22 +928,20 @@ def test_writes_refused_host_full_counts_refused_backups_exactly():
 
 
 def test_layer_counter_with_overlapping_load_batches(monkeypatch):
-    import hicache.controller as controller_module
 
     cache = build(device_slots=32, threaded=True)
     host_only(cache, [1] * 8)
     host_only(cache, [2] * 8)
     gates = [threading.Event(), threading.Event()]
     calls: list[int] = []
-    load_layer = controller_module.ops.load_layer
 
-    def gated(*args, **kwargs):
-        calls.append(kwargs["layer_id"])
+    def gated(issue, call):
+        calls.append(call.layer_id)
         if len(calls) in (1, L + 1):  # first layer of batch 1, first layer of batch 2
             gates[len(calls) > 1].wait(10)
-        return load_layer(*args, **kwargs)
+        return issue()
 
-    monkeypatch.setattr(controller_module.ops, "load_layer", gated)
+    wrap_copies(monkeypatch, "load_layer", gated)
     counter = cache.controller.layer_counter
     try:
         assert cache.load_back(cache.match_prefix([1] * 8).last_host_node) is not None

@@ -10,7 +10,6 @@ import weakref
 import pytest
 import torch
 
-import hicache.controller as controller_module
 from hicache import (
     CopyDropped,
     CopyError,
@@ -22,7 +21,7 @@ from hicache import (
     SlotState,
 )
 
-from cachedata import check_kv, evict_and_reload, make_cache, prefill
+from cachedata import check_kv, evict_and_reload, make_cache, prefill, wrap_copies
 from test_cache_stress import tree_nodes
 
 HANG_S = 60  # hang detector for joins and waits, not a speed limit
@@ -292,18 +291,18 @@ def node_of(cache, tokens):
     return node
 
 
-def fail_calls(monkeypatch, name, which):
-    """Make ``hicache_kernels.ops.<name>`` raise on the calls numbered in ``which`` (from 1)."""
-    real = getattr(controller_module.ops, name)
+def fail_calls(monkeypatch, kind, which):
+    """Make the controller's copies of ``kind`` (``backup`` ops, or ``load_layer``: each layer of a
+    layer-wise load) raise on the calls numbered in ``which`` (from 1)."""
     calls = []
 
-    def failing(*args, **kwargs):
-        calls.append(kwargs.get("layer_id"))
+    def failing(issue, call):
+        calls.append(call.layer_id)
         if len(calls) in which:
-            raise RuntimeError(f"{name} failed (injected, call {len(calls)})")
-        return real(*args, **kwargs)
+            raise RuntimeError(f"{kind} failed (injected, call {len(calls)})")
+        return issue()
 
-    monkeypatch.setattr(controller_module.ops, name, failing)
+    wrap_copies(monkeypatch, kind, failing)
     return calls
 
 
@@ -315,7 +314,7 @@ def threads_of(cache):
 def test_failed_backup_leaves_its_node_device_only_and_the_cache_keeps_working(monkeypatch, threaded):
     c = make_cache(device_slots=32, threaded=threaded)
     threads = threads_of(c)
-    fail_calls(monkeypatch, "backup_all_layers", {1})
+    fail_calls(monkeypatch, "backup", {1})
     toks = list(range(16))
     prefill(c, toks)
     with pytest.raises(CopyError, match="injected") as e:
@@ -394,7 +393,7 @@ def test_failed_load_back_of_nodes_in_use_is_lost_until_their_last_unlock(monkey
 def test_close_after_a_failed_copy_releases_the_threads_and_raises(monkeypatch):
     c = make_cache(device_slots=32, threaded=True)
     threads = threads_of(c)
-    fail_calls(monkeypatch, "backup_all_layers", {1})
+    fail_calls(monkeypatch, "backup", {1})
     prefill(c, list(range(16)))
     with pytest.raises(CopyError, match="injected"):
         c.close()
@@ -526,12 +525,9 @@ def abandoned(case, monkeypatch):
     c = make_cache(device_slots=32, threaded=True)
     gate = threading.Event()
     if case == "after_failure":
-        fail_calls(monkeypatch, "backup_all_layers", {1})
+        fail_calls(monkeypatch, "backup", {1})
     if case == "copies_queued":  # the first backup holds the write worker: the others stay queued
-        real = controller_module.ops.backup_all_layers
-        monkeypatch.setattr(
-            controller_module.ops, "backup_all_layers", lambda *a, **k: (gate.wait(HANG_S), real(*a, **k))
-        )
+        wrap_copies(monkeypatch, "backup", lambda issue, call: (gate.wait(HANG_S), issue()))
     for i in range(3):
         prefill(c, list(range(i * 100, i * 100 + 8)))
     if case == "after_failure":

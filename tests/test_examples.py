@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import hicache.controller as controller_module
+from cachedata import wrap_copies
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "hicache_quickstart.py"
@@ -65,14 +65,13 @@ def test_quickstart_exits_nonzero_when_the_loaded_kv_differs(monkeypatch, capsys
     spec = importlib.util.spec_from_file_location("hicache_quickstart", QUICKSTART)
     quickstart = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quickstart)
-    load_layer = controller_module.ops.load_layer
 
-    def corrupting(device_k, device_v, host, device_indices, host_indices, **kwargs):
-        load_layer(device_k, device_v, host, device_indices, host_indices, **kwargs)
-        if kwargs["layer_id"] == 2:
-            device_k[2, device_indices[:3]] += 1  # three tokens of layer 2's K land wrong
+    def corrupting(issue, call):
+        issue()
+        if call.layer_id == 2:
+            call.binding.device_k[2, call.device_indices[:3]] += 1  # three tokens of layer 2's K land wrong
 
-    monkeypatch.setattr(controller_module.ops, "load_layer", corrupting)
+    wrap_copies(monkeypatch, "load_layer", corrupting)
     assert quickstart.main(["--device", "cpu", "--io-backend", "direct"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "layer 2 K: 3 of 256 tokens differ" in out and "OK:" not in out

@@ -12,8 +12,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import hicache.controller as controller_module
 from hicache import DeviceKVPool, HiCacheController, HostKVPool, LayerDoneCounter
+
+from cachedata import wrap_copies
 
 # ---------------------------------------------------------------------------------------------------
 # A fake event clock: what CPU cannot reach (a stream that runs behind the host)
@@ -367,19 +368,18 @@ def test_gpu_controller_overlapping_loads_on_a_delayed_stream(monkeypatch):
     dev.v.zero_()
     torch.cuda.synchronize()
 
-    load_layer = controller_module.ops.load_layer
     second_started = threading.Event()
     calls: list[int] = []
 
-    def delayed(*args, **kwargs):
-        calls.append(kwargs["layer_id"])
+    def delayed(issue, call):
+        calls.append(call.layer_id)
         if len(calls) == L:  # the first batch's last layer: only once the second batch exists
             second_started.wait(30)
-        with torch.cuda.stream(kwargs["stream"]):
+        with torch.cuda.stream(call.stream):
             torch.cuda._sleep(SLEEP_CYCLES)
-        return load_layer(*args, **kwargs)
+        return issue()
 
-    monkeypatch.setattr(controller_module.ops, "load_layer", delayed)
+    wrap_copies(monkeypatch, "load_layer", delayed)
     try:
         ctrl.load(host_slots[0], slots[0], node_id=10)
         first = ctrl.start_loading()

@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from hicache_kernels import ops
+from hicache_kernels._names import IO_BACKENDS
 from hicache_kernels.backends import get_backend
+from hicache_kernels.binding import KVBinding
 
 from .layer_counter import LayerDoneCounter
 from .pools import DeviceKVPool, HostKVPool
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-IO_BACKENDS = ("direct", "batch", "kernel", "triton", "auto")
 
 
 @dataclass
@@ -193,6 +193,9 @@ class HiCacheController:
         self.host_pool = host_pool
         self.io_backend = io_backend
         self.backend = get_backend(io_backend)
+        # Validate the pools once; every copy then checks only its indices.
+        self.binding = KVBinding(device_pool.device_k, device_pool.device_v, host_pool.buffer,
+                                 layout=host_pool.layout, page_size=host_pool.page_size)  # fmt: skip
         self.write_policy = write_policy
         self.tp_group = tp_group
         self.threaded = threaded
@@ -332,22 +335,22 @@ class HiCacheController:
             self._copy(op)
 
     def _copy(self, op: _Op) -> None:
-        dp, hp = self.device_pool, self.host_pool
+        dp = self.device_pool
         stream = self._write_stream if op.kind == "write" else self._load_stream
-        common = dict(layout=hp.layout, page_size=hp.page_size, backend=self.backend, stream=stream)
         start = time.perf_counter()
         if stream is not None and op.ready is not None:
             stream.wait_event(op.ready)
+        # The pools were validated once (self.binding); each op checks its indices once (one sync).
         if op.kind == "write":
-            ops.backup_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+            self.binding.backup(op.device_indices, op.host_indices, backend=self.backend, stream=stream)
         elif self.layer_wise:
+            # Indices checked and moved once per batch; each layer is one prepared launch.
+            loads = self.binding.layer_loads(op.device_indices, op.host_indices, backend=self.backend, stream=stream)
             for layer in range(dp.num_layers):
-                ops.load_layer(
-                    dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, layer_id=layer, **common
-                )
+                loads(layer)
                 self.layer_counter.layer_done(layer, stream, op.generation)
         else:
-            ops.load_all_layers(dp.device_k, dp.device_v, hp.buffer, op.device_indices, op.host_indices, **common)
+            self.binding.load(op.device_indices, op.host_indices, backend=self.backend, stream=stream)
             for layer in range(dp.num_layers):
                 self.layer_counter.layer_done(layer, stream, op.generation)
         if stream is not None:
