@@ -26,8 +26,6 @@ PCIE_LANE_GBPS = {
     6: 64 * 242 / 256 / 8,
 }
 
-IO_BACKENDS = ("direct", "batch", "kernel", "triton", "auto")
-
 
 def pcie_theoretical_gbps(generation: int, width: int) -> float | None:
     """Theoretical one-direction bandwidth in GB/s of a PCIe link, or None for an unknown generation."""

@@ -13,6 +13,7 @@ import pytest
 
 import hicache_kernels
 from hicache_kernels import _env, _ext, info
+from hicache_kernels._names import IO_BACKENDS
 
 
 def run_info(*args: str) -> subprocess.CompletedProcess[str]:
@@ -25,7 +26,7 @@ def test_info_text_runs() -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.stdout.startswith("hicache-kernels ")
     assert "io-backends:" in proc.stdout
-    for name in _env.IO_BACKENDS:
+    for name in IO_BACKENDS:
         assert f"    {name} " in proc.stdout
 
 
@@ -37,7 +38,7 @@ def test_info_json_schema() -> None:
     import hicache_kernels
 
     assert report["package"]["version"] == hicache_kernels.__version__
-    assert set(report["io_backends"]) == set(_env.IO_BACKENDS)
+    assert set(report["io_backends"]) == set(IO_BACKENDS)
     for status in report["io_backends"].values():
         assert isinstance(status["usable"], bool) and status["reason"]
     assert report["build"] == json.loads(json.dumps(hicache_kernels.build_info()))

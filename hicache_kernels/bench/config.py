@@ -7,10 +7,12 @@ from typing import Any
 
 import torch
 
+from .._names import IO_BACKENDS
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}  # fmt: skip
 DIRECTIONS = {"backup_all": ("d2h", "all"), "load_layer": ("h2d", "layer"), "load_all": ("h2d", "all")}
-BACKENDS = ("kernel", "direct", "batch", "triton", "auto")
+BACKENDS = tuple(sorted(IO_BACKENDS, key=lambda name: name != "kernel"))  # the kernel first, then as listed
 COPY_ENGINE_BACKENDS = ("direct", "batch")
 # A measured GB/s may exceed the link's theoretical figure by this much before the run is refused.
 # NVML's figure subtracts only line encoding, so real copies stay well below it (Gen5 x16: 63 GB/s
