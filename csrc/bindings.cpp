@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "build_facts.h"
 #include "copy_engine.h"
@@ -112,6 +113,56 @@ void transfer(const py::sequence& src_desc, bool src_table, const py::sequence& 
   check_args(err, "launch_transfer");
 }
 
+void transfer_bulk(const py::sequence& src_desc, bool src_table, const py::sequence& dst_desc,
+                   bool dst_table, std::uintptr_t src_idx_ptr, std::uintptr_t dst_idx_ptr,
+                   int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
+                   int64_t chunk_bytes, int64_t align_bytes, int num_blocks, int warps_per_block,
+                   std::uintptr_t oob_count_ptr, std::uintptr_t stream) {
+  const hicache::SideDesc src = side_desc(src_desc, "src_desc");
+  const hicache::SideDesc dst = side_desc(dst_desc, "dst_desc");
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = hicache::launch_transfer_bulk(
+        src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
+        as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count, num_kv, num_chunks,
+        chunk_bytes, align_bytes, num_blocks, warps_per_block, as_ptr<int>(oob_count_ptr),
+        as_stream(stream));
+  }
+  check_args(err, "launch_transfer_bulk");
+}
+
+// Host emulation of transfer_bulk: index arrays and tables are host addresses.
+py::dict bulk_schedule(const py::sequence& src_desc, bool src_table, const py::sequence& dst_desc,
+                       bool dst_table, std::uintptr_t src_idx_ptr, std::uintptr_t dst_idx_ptr,
+                       int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
+                       int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
+                       int warps_per_block) {
+  const hicache::SideDesc src = side_desc(src_desc, "src_desc");
+  const hicache::SideDesc dst = side_desc(dst_desc, "dst_desc");
+  std::vector<hicache::BulkCopy> copies;
+  int64_t oob = 0;
+  int64_t blocks = 0;
+  check_args(
+      hicache::bulk_schedule(src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
+                             as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count,
+                             num_kv, num_chunks, chunk_bytes, align_bytes, num_blocks,
+                             warps_per_block, &copies, &oob, &blocks),
+      "bulk_schedule");
+  py::list out;
+  for (const hicache::BulkCopy& c : copies) {
+    out.append(
+        py::make_tuple(c.block, c.round, c.slot, c.parity, c.smem_offset, c.src, c.dst, c.bytes));
+  }
+  py::dict d;
+  d["copies"] = out;
+  d["oob_count"] = oob;
+  d["blocks"] = blocks;
+  d["stages"] = hicache::bulk_ring_stages();
+  d["stage_bytes"] = hicache::bulk_stage_bytes();
+  return d;
+}
+
 int vector_bytes(int64_t align_bytes) {
   if (align_bytes < 0) {
     throw py::value_error("align_bytes: must be >= 0, got " + std::to_string(align_bytes));
@@ -177,6 +228,24 @@ PYBIND11_MODULE(_C, m) {
         "plan.Side.desc() 9-tuples (bytes); index and counter pointers are device addresses "
         "(oob_count_ptr 0 = none). ValueError naming a bad argument (checked before any CUDA "
         "call), RuntimeError for a CUDA error.");
+  m.def("transfer_bulk", &transfer_bulk, py::arg("src_desc"), py::arg("src_table"),
+        py::arg("dst_desc"), py::arg("dst_table"), py::arg("src_idx_ptr"), py::arg("dst_idx_ptr"),
+        py::arg("n"), py::arg("layer_begin"), py::arg("layer_count"), py::arg("num_kv"),
+        py::arg("num_chunks"), py::arg("chunk_bytes"), py::arg("align_bytes"),
+        py::arg("num_blocks"), py::arg("warps_per_block"), py::arg("oob_count_ptr"),
+        py::arg("stream"),
+        "transfer() through the sm_90+ bulk-copy pipeline (csrc/transfer_bulk.cuh), same "
+        "arguments. ValueError naming the argument, also when anything is not a multiple of 16 "
+        "bytes (then use transfer()); RuntimeError with cudaErrorNotSupported below sm_90.");
+  m.def("bulk_schedule", &bulk_schedule, py::arg("src_desc"), py::arg("src_table"),
+        py::arg("dst_desc"), py::arg("dst_table"), py::arg("src_idx_ptr"), py::arg("dst_idx_ptr"),
+        py::arg("n"), py::arg("layer_begin"), py::arg("layer_count"), py::arg("num_kv"),
+        py::arg("num_chunks"), py::arg("chunk_bytes"), py::arg("align_bytes"),
+        py::arg("num_blocks"), py::arg("warps_per_block"),
+        "Host emulation of transfer_bulk by the kernel's own schedule code: index arrays and "
+        "table sides' tables are HOST addresses. Returns {copies: [(block, round, slot, parity, "
+        "smem_offset, src, dst, bytes)] in each CTA's issue order, oob_count, blocks, stages, "
+        "stage_bytes}; copies nothing.");
   m.def("vector_bytes", &vector_bytes, py::arg("align_bytes"),
         "Vector width the transfer kernel uses when all addresses/strides are multiples of "
         "align_bytes: the largest of 16, 8, 4, 2, 1 dividing it (16 for 0).");

@@ -75,42 +75,60 @@ int vector_bytes(int64_t align_bytes) {
   return static_cast<int>(low_bit < 16 ? low_bit : 16);
 }
 
+namespace detail {
+
+cudaError_t check_transfer_args(const char* function, const SideDesc& src_desc, bool src_table,
+                                const SideDesc& dst_desc, bool dst_table, int64_t n,
+                                int layer_begin, int layer_count, int num_kv, int num_chunks,
+                                int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
+                                int warps_per_block, int64_t* align, int64_t* units_per_index) {
+  constexpr int kMaxWarps = kTransferMaxThreads / 32;
+  HICACHE_CHECK_ARG_OF(function, n >= 0, "n must be >= 0, got ", n);
+  HICACHE_CHECK_ARG_OF(function, layer_begin >= 0, "layer_begin must be >= 0, got ", layer_begin);
+  HICACHE_CHECK_ARG_OF(function, layer_count >= 1, "layer_count must be >= 1, got ", layer_count);
+  HICACHE_CHECK_ARG_OF(function, num_kv >= 1, "num_kv must be >= 1, got ", num_kv);
+  HICACHE_CHECK_ARG_OF(function, num_chunks >= 1, "num_chunks must be >= 1, got ", num_chunks);
+  HICACHE_CHECK_ARG_OF(function, chunk_bytes >= 1, "chunk_bytes must be >= 1, got ", chunk_bytes);
+  HICACHE_CHECK_ARG_OF(function, align_bytes >= 0, "align_bytes must be >= 0, got ", align_bytes);
+  HICACHE_CHECK_ARG_OF(function, num_blocks >= 1, "num_blocks must be >= 1, got ", num_blocks);
+  HICACHE_CHECK_ARG_OF(function, warps_per_block >= 1 && warps_per_block <= kMaxWarps,
+                       "warps_per_block must be in [1, ", kMaxWarps, "], got ", warps_per_block);
+  HICACHE_RETURN_IF_ERROR(check_side(function, "src_desc", src_desc, src_table));
+  HICACHE_RETURN_IF_ERROR(check_side(function, "dst_desc", dst_desc, dst_table));
+  const int64_t layer_end = static_cast<int64_t>(layer_begin) + layer_count;
+  HICACHE_CHECK_ARG_OF(function, layer_end <= src_desc.num_layers,
+                       "layer_begin + layer_count must be <= src_desc.num_layers (",
+                       src_desc.num_layers, "), got ", layer_begin, " + ", layer_count);
+  HICACHE_CHECK_ARG_OF(function, layer_end <= dst_desc.num_layers,
+                       "layer_begin + layer_count must be <= dst_desc.num_layers (",
+                       dst_desc.num_layers, "), got ", layer_begin, " + ", layer_count);
+  // Work units are counted in int per index and in int64 overall.
+  const int64_t units = static_cast<int64_t>(num_kv) * layer_count * num_chunks;
+  HICACHE_CHECK_ARG_OF(function, units <= INT_MAX,
+                       "num_kv * layer_count * num_chunks must be <= ", INT_MAX, ", got ", units);
+  HICACHE_CHECK_ARG_OF(function, n <= INT64_MAX / units, "n * num_kv * layer_count * num_chunks (",
+                       units, " per index) overflows int64 with n = ", n);
+  int64_t g = std::gcd(align_bytes, chunk_bytes);
+  g = std::gcd(g, side_alignment(src_desc, src_table, num_kv, num_chunks));
+  g = std::gcd(g, side_alignment(dst_desc, dst_table, num_kv, num_chunks));
+  *align = g;
+  *units_per_index = units;
+  return cudaSuccess;
+}
+
+}  // namespace detail
+
 cudaError_t launch_transfer(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
                             bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
                             int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
                             int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
                             int warps_per_block, int* oob_count, cudaStream_t stream) {
   clear_argument_error();
-  constexpr int kMaxWarps = kTransferMaxThreads / 32;
-  HICACHE_CHECK_ARG(n >= 0, "n must be >= 0, got ", n);
-  HICACHE_CHECK_ARG(layer_begin >= 0, "layer_begin must be >= 0, got ", layer_begin);
-  HICACHE_CHECK_ARG(layer_count >= 1, "layer_count must be >= 1, got ", layer_count);
-  HICACHE_CHECK_ARG(num_kv >= 1, "num_kv must be >= 1, got ", num_kv);
-  HICACHE_CHECK_ARG(num_chunks >= 1, "num_chunks must be >= 1, got ", num_chunks);
-  HICACHE_CHECK_ARG(chunk_bytes >= 1, "chunk_bytes must be >= 1, got ", chunk_bytes);
-  HICACHE_CHECK_ARG(align_bytes >= 0, "align_bytes must be >= 0, got ", align_bytes);
-  HICACHE_CHECK_ARG(num_blocks >= 1, "num_blocks must be >= 1, got ", num_blocks);
-  HICACHE_CHECK_ARG(warps_per_block >= 1 && warps_per_block <= kMaxWarps,
-                    "warps_per_block must be in [1, ", kMaxWarps, "], got ", warps_per_block);
-  HICACHE_RETURN_IF_ERROR(check_side(__func__, "src_desc", src_desc, src_table));
-  HICACHE_RETURN_IF_ERROR(check_side(__func__, "dst_desc", dst_desc, dst_table));
-  const int64_t layer_end = static_cast<int64_t>(layer_begin) + layer_count;
-  HICACHE_CHECK_ARG(layer_end <= src_desc.num_layers,
-                    "layer_begin + layer_count must be <= src_desc.num_layers (",
-                    src_desc.num_layers, "), got ", layer_begin, " + ", layer_count);
-  HICACHE_CHECK_ARG(layer_end <= dst_desc.num_layers,
-                    "layer_begin + layer_count must be <= dst_desc.num_layers (",
-                    dst_desc.num_layers, "), got ", layer_begin, " + ", layer_count);
-  // Work units are counted in int per index and in int64 overall.
-  const int64_t units_per_index = static_cast<int64_t>(num_kv) * layer_count * num_chunks;
-  HICACHE_CHECK_ARG(units_per_index <= INT_MAX,
-                    "num_kv * layer_count * num_chunks must be <= ", INT_MAX, ", got ",
-                    units_per_index);
-  HICACHE_CHECK_ARG(n <= INT64_MAX / units_per_index, "n * num_kv * layer_count * num_chunks (",
-                    units_per_index, " per index) overflows int64 with n = ", n);
-  int64_t align = std::gcd(align_bytes, chunk_bytes);
-  align = std::gcd(align, side_alignment(src_desc, src_table, num_kv, num_chunks));
-  align = std::gcd(align, side_alignment(dst_desc, dst_table, num_kv, num_chunks));
+  int64_t align = 0;
+  int64_t units_per_index = 0;
+  HICACHE_RETURN_IF_ERROR(detail::check_transfer_args(
+      __func__, src_desc, src_table, dst_desc, dst_table, n, layer_begin, layer_count, num_kv,
+      num_chunks, chunk_bytes, align_bytes, num_blocks, warps_per_block, &align, &units_per_index));
   const int vec = vector_bytes(align);
   // The kernel counts vectors of a chunk in int, with room for one step of 32 lanes.
   HICACHE_CHECK_ARG(chunk_bytes / vec <= INT_MAX - 64, "chunk_bytes must be at most ", INT_MAX - 64,

@@ -14,11 +14,12 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "sides.cuh"
 #include "transfer.h"
 
 namespace hicache {
 
-constexpr int kTransferUnroll = 4;           // independent vectors in flight per lane
+constexpr int kTransferUnroll = 4;            // independent vectors in flight per lane
 constexpr int kTransferMaxThreads = 32 * 32;  // warps_per_block <= 32
 
 // Register type of one vector; 1-byte vectors live in a 16-bit register (PTX has no 8-bit ones).
@@ -91,8 +92,8 @@ __device__ __forceinline__ uint16_t load_vec<1>(const char* p) {
 
 template <>
 __device__ __forceinline__ void store_vec<16>(char* p, uint4 v) {
-  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
                : "memory");
 }
 template <>
@@ -111,32 +112,6 @@ template <>
 __device__ __forceinline__ void store_vec<1>(char* p, uint16_t v) {
   asm volatile("st.global.cs.u8 [%0], %1;" ::"l"(p), "h"(v) : "memory");
 }
-
-// Byte address of chunk 0 of `slot` in (kv, layer), without the chunk term.
-__device__ __forceinline__ int64_t slot_offset(const SideDesc& d, int64_t slot) {
-  if (d.page_size == 1) {
-    return slot * d.s_page;
-  }
-  const int64_t page = slot / d.page_size;
-  return page * d.s_page + (slot - page * d.page_size) * d.s_in_page;
-}
-
-// One base address plus strides: every host layout, and stacked device pools.
-struct AffineSide {
-  static __device__ __forceinline__ int64_t address(const SideDesc& d, int kv, int layer,
-                                                    int64_t slot) {
-    return d.base + kv * d.s_kv + layer * d.s_layer + slot_offset(d, slot);
-  }
-};
-
-// A device table of per-(kv, layer) pool addresses: layer-first pools allocated per layer.
-struct TableSide {
-  static __device__ __forceinline__ int64_t address(const SideDesc& d, int kv, int layer,
-                                                    int64_t slot) {
-    const int64_t* table = reinterpret_cast<const int64_t*>(d.base);
-    return __ldg(table + kv * d.num_layers + layer) + slot_offset(d, slot);
-  }
-};
 
 struct TransferParams {
   SideDesc src;
@@ -159,16 +134,14 @@ struct TransferParams {
 template <class SrcSide, class DstSide>
 __device__ __forceinline__ bool locate_unit(const TransferParams& p, int64_t unit, bool leader,
                                             const char*& src, char*& dst) {
-  const int64_t i = unit / p.units_per_index;
-  int rest = static_cast<int>(unit - i * p.units_per_index);
-  const int c = rest % p.num_chunks;
-  rest /= p.num_chunks;
-  const int layer = p.layer_begin + rest % p.layer_count;
-  const int kv = rest / p.layer_count;
-  const int64_t s = __ldg(p.src_idx + i);
-  const int64_t d = __ldg(p.dst_idx + i);
-  if (static_cast<uint64_t>(s) >= static_cast<uint64_t>(p.src.num_slots) ||
-      static_cast<uint64_t>(d) >= static_cast<uint64_t>(p.dst.num_slots)) {
+  const UnitCoords u =
+      decompose_unit(unit, p.units_per_index, p.num_chunks, p.layer_begin, p.layer_count);
+  const int kv = u.kv;
+  const int layer = u.layer;
+  const int c = u.c;
+  const int64_t s = __ldg(p.src_idx + u.i);
+  const int64_t d = __ldg(p.dst_idx + u.i);
+  if (!pair_in_range(p.src, s, p.dst, d)) {
     if (leader && p.oob_count != nullptr) {
       atomicAdd(p.oob_count, 1);
     }
@@ -270,16 +243,6 @@ cudaError_t launch_transfer_kernel(TransferParams p, int64_t chunk_bytes, int nu
     }                                            \
     default:                                     \
       return cudaErrorInvalidValue;              \
-  }
-
-// Run-time side kind -> side functor type.
-#define HICACHE_SIDE_SWITCH(is_table, Side, ...) \
-  if (is_table) {                                \
-    using Side = TableSide;                      \
-    __VA_ARGS__                                  \
-  } else {                                       \
-    using Side = AffineSide;                     \
-    __VA_ARGS__                                  \
   }
 
 }  // namespace hicache

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common.cuh"
 
@@ -50,5 +51,61 @@ cudaError_t launch_transfer(const SideDesc& src_desc, bool src_table, const Side
                             int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
                             int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
                             int warps_per_block, int* oob_count, cudaStream_t stream);
+
+// The same transfer through the bulk-copy pipeline (sm_90 and newer, transfer_bulk.cuh): each CTA
+// streams contiguous runs of its units through a shared-memory ring with cp.async.bulk, ordered by
+// mbarriers. Same arguments, checks, bounds rule (skipped and counted), n == 0 behaviour and grid
+// cap (num_blocks) as launch_transfer; warps_per_block is checked the same way but a CTA is always
+// kBulkThreads threads (one loader and one storer warp). Refused with cudaErrorInvalidValue and an
+// argument_error() unless chunk_bytes, every stride used, every affine base and align_bytes are
+// multiples of 16 (bulk copies move 16-byte multiples between 16-byte-aligned addresses): callers
+// then use launch_transfer. Returns cudaErrorNotSupported, launching nothing, when the current
+// device's compute capability is below 9.0.
+cudaError_t launch_transfer_bulk(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
+                                 bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
+                                 int64_t n, int layer_begin, int layer_count, int num_kv,
+                                 int num_chunks, int64_t chunk_bytes, int64_t align_bytes,
+                                 int num_blocks, int warps_per_block, int* oob_count,
+                                 cudaStream_t stream);
+
+// One bulk copy of the pipeline: in CTA `block`'s `round`, ring slot `slot` (waited on with phase
+// parity `parity`) holds `bytes` bytes at byte `smem_offset` of the ring, loaded from `src` and
+// stored to `dst`.
+struct BulkCopy {
+  int64_t block;
+  int64_t round;
+  int64_t slot;
+  int64_t parity;
+  int64_t smem_offset;
+  int64_t src;
+  int64_t dst;
+  int64_t bytes;
+};
+
+// The ring of launch_transfer_bulk: stages per CTA and bytes per stage.
+int bulk_ring_stages();
+int bulk_stage_bytes();
+
+// Host emulation of launch_transfer_bulk with the kernel's own schedule and address code: the same
+// arguments and checks (src_idx / dst_idx and table sides' tables are HOST memory here), appending
+// every copy the kernel would issue, in each CTA's issue order, to *copies; *oob_count += units
+// skipped; *blocks = the grid the launch would use.
+cudaError_t bulk_schedule(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
+                          bool dst_table, const int64_t* src_idx, const int64_t* dst_idx, int64_t n,
+                          int layer_begin, int layer_count, int num_kv, int num_chunks,
+                          int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
+                          int warps_per_block, std::vector<BulkCopy>* copies, int64_t* oob_count,
+                          int64_t* blocks);
+
+namespace detail {
+// The argument checks launch_transfer and its variants share, reported as errors of `function`.
+// On success, *align = the gcd of align_bytes, chunk_bytes, the affine bases and every stride the
+// transfer multiplies by a non-zero value; *units_per_index = num_kv * layer_count * num_chunks.
+cudaError_t check_transfer_args(const char* function, const SideDesc& src_desc, bool src_table,
+                                const SideDesc& dst_desc, bool dst_table, int64_t n,
+                                int layer_begin, int layer_count, int num_kv, int num_chunks,
+                                int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
+                                int warps_per_block, int64_t* align, int64_t* units_per_index);
+}  // namespace detail
 
 }  // namespace hicache

@@ -1,0 +1,240 @@
+// Bulk-copy transfer kernel (sm_90 and newer): header-only device code, its schedule (shared with
+// the host emulation) and its templated launcher. Geometry and argument meaning: transfer.h.
+//
+// Work: the units (i, kv, l, c) of transfer.cuh, in the same order, each cut into parts of at most
+// kBulkStageBytes (a "piece": one contiguous run of a chunk). Pieces are packed into batches of
+// pieces_per_stage (a stage holds floor(kBulkStageBytes / piece_stride) pieces, piece_stride =
+// min(chunk_bytes, kBulkStageBytes)); batch b belongs to CTA b % grid, as that CTA's round
+// b / grid. A CTA owns a ring of kBulkStages stages: round r uses slot r % kBulkStages and its
+// mbarriers' phase parity (r / kBulkStages) & 1.
+//
+// Per CTA, lane 0 of warp 0 (the loader) waits until the slot is free (its "empty" mbarrier),
+// announces the bytes it will load (mbarrier.expect_tx) and issues one global->shared
+// cp.async.bulk per piece, which completes on the slot's "full" mbarrier; lane 0 of warp 1 (the
+// storer) waits on "full", issues one shared->global cp.async.bulk per piece as one bulk group, and
+// frees the slot of the previous round once that round's group has finished reading shared memory
+// (cp.async.bulk.wait_group.read 1). Out-of-range pairs are skipped by both (same rule) and
+// counted once per unit by the loader. Every address and size is a multiple of 16 (the launcher
+// refuses anything else).
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "sides.cuh"
+#include "transfer.h"
+
+namespace hicache {
+
+constexpr int kBulkStages = 4;         // ring depth per CTA
+constexpr int kBulkStageBytes = 8192;  // bytes per stage: 32 KiB of static shared memory per CTA,
+                                       // so 6 CTAs fit the 227 KiB of an H100/H200 SM
+constexpr int kBulkThreads = 64;       // warp 0 loads, warp 1 stores (lane 0 of each issues)
+constexpr int kBulkAlign = 16;         // cp.async.bulk: sizes and addresses multiples of 16
+
+struct BulkParams {
+  SideDesc src;
+  SideDesc dst;
+  const int64_t* src_idx;  // n entries (device; host in the emulation)
+  const int64_t* dst_idx;
+  int64_t total_units;  // n * units_per_index
+  int units_per_index;  // num_kv * layer_count * num_chunks
+  int layer_begin;
+  int layer_count;
+  int num_chunks;
+  int64_t chunk_bytes;
+  int64_t parts_per_unit;  // ceil(chunk_bytes / kBulkStageBytes)
+  int piece_stride;        // min(chunk_bytes, kBulkStageBytes): ring bytes per piece
+  int pieces_per_stage;    // kBulkStageBytes / piece_stride
+  int64_t total_pieces;    // total_units * parts_per_unit
+  int64_t num_batches;     // ceil(total_pieces / pieces_per_stage)
+  int* oob_count;          // device counter of skipped units, or nullptr
+};
+
+// Fill the schedule fields of `p` from its chunk_bytes and total_units (the caller checked that
+// total_units * parts_per_unit does not overflow).
+inline void bulk_plan(BulkParams& p) {
+  p.parts_per_unit = (p.chunk_bytes + kBulkStageBytes - 1) / kBulkStageBytes;
+  p.piece_stride =
+      static_cast<int>(p.chunk_bytes < kBulkStageBytes ? p.chunk_bytes : kBulkStageBytes);
+  p.pieces_per_stage = kBulkStageBytes / p.piece_stride;
+  p.total_pieces = p.total_units * p.parts_per_unit;
+  p.num_batches = (p.total_pieces + p.pieces_per_stage - 1) / p.pieces_per_stage;
+}
+
+// CTAs a launch uses: num_blocks, but never more than there are batches.
+inline int bulk_grid(const BulkParams& p, int num_blocks) {
+  return static_cast<int>(p.num_batches < num_blocks ? p.num_batches : num_blocks);
+}
+
+// Round r of a CTA: its ring slot and the phase parity its mbarriers complete with.
+__host__ __device__ __forceinline__ int bulk_slot(int64_t round) {
+  return static_cast<int>(round % kBulkStages);
+}
+__host__ __device__ __forceinline__ uint32_t bulk_parity(int64_t round) {
+  return static_cast<uint32_t>((round / kBulkStages) & 1);
+}
+
+// Resolve `piece`: false when its pair is out of range (then *counted is true for the first part
+// of the unit, so a unit is counted once); else its source and destination addresses and size.
+template <class SrcSide, class DstSide>
+__host__ __device__ __forceinline__ bool locate_piece(const BulkParams& p, int64_t piece,
+                                                      int64_t& src, int64_t& dst, uint32_t& bytes,
+                                                      bool& counted) {
+  const int64_t unit = piece / p.parts_per_unit;
+  const int64_t offset = (piece - unit * p.parts_per_unit) * kBulkStageBytes;
+  const UnitCoords u =
+      decompose_unit(unit, p.units_per_index, p.num_chunks, p.layer_begin, p.layer_count);
+  const int64_t s = load_readonly(p.src_idx + u.i);
+  const int64_t d = load_readonly(p.dst_idx + u.i);
+  if (!pair_in_range(p.src, s, p.dst, d)) {
+    counted = offset == 0;
+    return false;
+  }
+  counted = false;
+  src = SrcSide::address(p.src, u.kv, u.layer, s) + u.c * p.src.s_chunk + offset;
+  dst = DstSide::address(p.dst, u.kv, u.layer, d) + u.c * p.dst.s_chunk + offset;
+  const int64_t left = p.chunk_bytes - offset;
+  bytes = static_cast<uint32_t>(left < kBulkStageBytes ? left : kBulkStageBytes);
+  return true;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// PTX wrappers (sm_90, PTX ISA 8.0). Shared addresses are 32-bit shared-window addresses.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile(
+      "{\n\t.reg .b64 state;\n\t"
+      "mbarrier.arrive.release.cta.shared::cta.b64 state, [%0];\n\t}" ::"r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+__device__ __forceinline__ void bulk_load(uint32_t dst_smem, int64_t src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst_smem),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_store(int64_t dst, uint32_t src_smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(src_smem), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// All but the newest group have finished reading shared memory.
+__device__ __forceinline__ void bulk_wait_read_all_but_newest() {
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+// Every group has completed (its writes are done).
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+#endif
+
+template <class SrcSide, class DstSide>
+__global__ void __launch_bounds__(kBulkThreads)
+    transfer_bulk_kernel(const __grid_constant__ BulkParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ alignas(128) char ring[kBulkStages * kBulkStageBytes];
+  __shared__ alignas(8) uint64_t full[kBulkStages];
+  __shared__ alignas(8) uint64_t empty[kBulkStages];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kBulkStages; ++s) {
+      mbar_init(smem_addr(&full[s]), 1);
+      mbar_init(smem_addr(&empty[s]), 1);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) != 0) {
+    return;
+  }
+  const uint32_t ring_base = smem_addr(ring);
+  const bool loader = threadIdx.x == 0;
+  int64_t round = 0;
+  for (int64_t batch = blockIdx.x; batch < p.num_batches; batch += gridDim.x, ++round) {
+    const int slot = bulk_slot(round);
+    const uint32_t parity = bulk_parity(round);
+    const uint32_t full_bar = smem_addr(&full[slot]);
+    const uint32_t stage = ring_base + slot * kBulkStageBytes;
+    const int64_t first = batch * p.pieces_per_stage;
+    const int64_t count =
+        p.total_pieces - first < p.pieces_per_stage ? p.total_pieces - first : p.pieces_per_stage;
+    if (loader) {
+      if (round >= kBulkStages) {
+        mbar_wait(smem_addr(&empty[slot]), parity ^ 1);
+      }
+      for (int k = 0; k < count; ++k) {
+        int64_t src = 0;
+        int64_t dst = 0;
+        uint32_t bytes = 0;
+        bool counted = false;
+        if (locate_piece<SrcSide, DstSide>(p, first + k, src, dst, bytes, counted)) {
+          mbar_expect_tx(full_bar, bytes);
+          bulk_load(stage + k * p.piece_stride, src, bytes, full_bar);
+        } else if (counted && p.oob_count != nullptr) {
+          atomicAdd(p.oob_count, 1);
+        }
+      }
+      mbar_arrive(full_bar);
+    } else {
+      mbar_wait(full_bar, parity);
+      for (int k = 0; k < count; ++k) {
+        int64_t src = 0;
+        int64_t dst = 0;
+        uint32_t bytes = 0;
+        bool counted = false;
+        if (locate_piece<SrcSide, DstSide>(p, first + k, src, dst, bytes, counted)) {
+          bulk_store(dst, stage + k * p.piece_stride, bytes);
+        }
+      }
+      bulk_commit();
+      bulk_wait_read_all_but_newest();
+      if (round >= 1) {
+        mbar_arrive(smem_addr(&empty[bulk_slot(round - 1)]));
+      }
+    }
+  }
+  if (!loader) {
+    bulk_wait_all();
+  }
+#endif
+}
+
+// The one launcher: `p` is complete (bulk_plan applied).
+template <class SrcSide, class DstSide>
+cudaError_t launch_transfer_bulk_kernel(const BulkParams& p, int num_blocks, cudaStream_t stream) {
+  transfer_bulk_kernel<SrcSide, DstSide><<<bulk_grid(p, num_blocks), kBulkThreads, 0, stream>>>(p);
+  HICACHE_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace hicache
