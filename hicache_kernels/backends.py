@@ -263,6 +263,11 @@ class BatchBackend(IOBackend):
         return batch
 
 
+@functools.cache
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 class KernelBackend(IOBackend):
     """Zero-copy CUDA kernels on a bounded grid (see module docstring).
 
@@ -276,7 +281,15 @@ class KernelBackend(IOBackend):
 
     name = "kernel"
 
-    def __init__(self, num_blocks: int = 4, warps_per_block: int = 32, count_skipped: bool = False) -> None:
+    DESIGNS = ("register", "bulk")
+
+    def __init__(
+        self, num_blocks: int = 4, warps_per_block: int = 32, count_skipped: bool = False, design: str = "register"
+    ) -> None:
+        if design not in self.DESIGNS:
+            raise ValueError(f"design: expected one of {', '.join(self.DESIGNS)}, got {design!r}")
+        self.design = design
+        self.last_design: str | None = None  # the design the last prepared copy uses
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         if not isinstance(warps_per_block, int) or not 1 <= warps_per_block <= 32:
@@ -337,13 +350,30 @@ class KernelBackend(IOBackend):
             self.num_blocks, self.warps_per_block, counter, handle,
         )  # fmt: skip
         index = device.index
+        launch_fn = ext.transfer
+        self.last_design = "register"
+        if self.design == "bulk" and self.bulk_unsupported(g.align, device) is None:
+            launch_fn = ext.transfer_bulk
+            self.last_design = "bulk"
 
         def issue() -> None:
             with torch.cuda.device(index):  # the extension launches on the current device
-                ext.transfer(*args)
+                launch_fn(*args)
             _ = idx, plan  # the kernel reads these indices (device ones at every launch) and pools: keep them alive
 
         return issue
+
+    @staticmethod
+    def bulk_unsupported(align: int, device: torch.device) -> str | None:
+        """Why the bulk-copy design cannot move a route with this alignment on ``device``, or None.
+        It needs sm_90 or newer and every address, stride and chunk a multiple of 16 bytes; otherwise
+        ``design="bulk"`` uses the register kernel for that route (``last_design`` says which ran)."""
+        if align % 16:
+            return f"addresses, strides and chunks are {align}-byte aligned; bulk copies need 16"
+        major, minor = _compute_capability(device)
+        if major < 9:
+            return f"the GPU is sm_{major}{minor}; bulk copies need sm_90 or newer"
+        return None
 
     @staticmethod
     def _launch_indices(plan: TransferPlan, device: torch.device, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,19 +470,26 @@ class AutoBackend(IOBackend):
         return backend.prepare(plan)
 
 
-_FACTORIES: dict[str, type[IOBackend]] = {
+def _staged_backend(**options: Any) -> IOBackend:
+    from .staged import StagedBackend  # imported when first built: staged.py subclasses IOBackend from here
+
+    return StagedBackend(**options)
+
+
+_FACTORIES: dict[str, Callable[..., IOBackend]] = {
     "direct": DirectBackend,
     "batch": BatchBackend,
     "kernel": KernelBackend,
     "triton": TritonBackend,
     "auto": AutoBackend,
+    "staged": _staged_backend,
 }
 assert tuple(_FACTORIES) == IO_BACKENDS, "hicache_kernels._names.IO_BACKENDS lists the backends defined here"
 _DEFAULTS: dict[str, IOBackend] = {}
 
 
 def get_backend(name: str | IOBackend, **options: Any) -> IOBackend:
-    """An io-backend by name (``direct``, ``batch``, ``kernel``, ``triton``, ``auto``).
+    """An io-backend by name (``direct``, ``batch``, ``kernel``, ``triton``, ``auto``, ``staged``).
 
     Without options the shared instance is returned (its caches live across calls); with options a
     new one is built, e.g. ``get_backend("kernel", num_blocks=2)``.

@@ -538,3 +538,38 @@ def test_pcie_says_the_driver_is_too_old_for_the_kernel(monkeypatch):
 def test_get_backend_names_its_argument(name):
     with pytest.raises(TypeError, match="backend: expected a backend name"):
         get_backend(name)
+
+
+# ---------------------------------------------------------------------------------------------- kernel designs
+@pytest.mark.parametrize(
+    ("head_dim", "capability", "launched"),
+    [
+        (8, (9, 0), "transfer_bulk"),  # 16-byte items on an H100/H200: bulk copies
+        (8, (10, 0), "transfer_bulk"),
+        (8, (8, 0), "transfer"),  # an A100: the register kernel
+        (3, (9, 0), "transfer"),  # 6-byte items: not 16-byte aligned
+    ],
+)
+def test_bulk_design_is_used_where_it_can_run(monkeypatch, head_dim, capability, launched):
+    pretend_cuda(monkeypatch)
+    ext = RecordingExt()
+    use_ext(monkeypatch, ext)
+    monkeypatch.setattr(backends, "_compute_capability", lambda device: capability)
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=4, head_num=1,
+                       head_dim=head_dim)  # fmt: skip
+    d_idx, h_idx = make_indices("random", 96, 16, 4, count=5, seed=1)
+    plan = as_cuda(ops.build_plan("d2h", pools.device_k, pools.device_v, pools.host, d_idx, h_idx,
+                                  layout="page_first", page_size=4))  # fmt: skip
+    kernel = KernelBackend(design="bulk")
+    kernel.run(plan)
+    name, args = ext.calls[-1]
+    assert name == launched and kernel.last_design == ("bulk" if launched == "transfer_bulk" else "register")
+    register = RecordingExt()
+    use_ext(monkeypatch, register)
+    KernelBackend().run(plan)  # the default design: the same arguments to the register kernel
+    assert register.calls[-1] == ("transfer", args)
+
+
+def test_kernel_design_is_checked():
+    with pytest.raises(ValueError, match="design: expected one of register, bulk"):
+        KernelBackend(design="tma")

@@ -90,9 +90,10 @@ def test_summarize_edge_cases():
 def test_plan_sweep_quick_and_full():
     quick = bench.plan_sweep(bench.parse_args(["--quick"]))
     main = [p for p in quick if p.sm_budget in (None, 4)]
-    assert len(main) == 3 * 2 * 3 * 5  # page sizes x layouts x ops x backends
-    sweep = [p for p in quick if p.backend == "kernel" and p.sm_budget != 4]
-    assert {p.sm_budget for p in sweep} == {1, 2, 8, 16} and {p.page_size for p in sweep} == {16}
+    assert len(main) == 3 * 2 * 3 * 6  # page sizes x layouts x ops x backends (two kernel designs)
+    for kernel in ("kernel", "kernel-bulk"):  # each kernel design's SM-budget sweep
+        sweep = [p for p in quick if p.backend == kernel and p.sm_budget != 4]
+        assert {p.sm_budget for p in sweep} == {1, 2, 8, 16} and {p.page_size for p in sweep} == {16}
     assert all(p.sm_budget is None for p in quick if p.backend in ("direct", "batch"))
     full = bench.plan_sweep(bench.parse_args(["--preset", "deepseek-v3", "--backends", "kernel,direct"]))
     assert {p.layout for p in full} == {"layer_first", "page_first", "page_first_direct"}  # MLA: no page_head

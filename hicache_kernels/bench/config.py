@@ -12,7 +12,11 @@ from .._names import IO_BACKENDS
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}  # fmt: skip
 DIRECTIONS = {"backup_all": ("d2h", "all"), "load_layer": ("h2d", "layer"), "load_all": ("h2d", "all")}
-BACKENDS = tuple(sorted(IO_BACKENDS, key=lambda name: name != "kernel"))  # the kernel first, then as listed
+KERNEL_BULK = "kernel-bulk"
+"""The ``kernel`` io-backend with ``design="bulk"`` (sm_90+ bulk-copy staging), benched beside the register kernel."""
+# The kernel designs first, then the io-backends as listed.
+BACKENDS = ("kernel", KERNEL_BULK, *(name for name in IO_BACKENDS if name != "kernel"))
+KERNEL_BACKENDS = ("kernel", KERNEL_BULK)
 COPY_ENGINE_BACKENDS = ("direct", "batch")
 # A measured GB/s may exceed the link's theoretical figure by this much before the run is refused.
 # NVML's figure subtracts only line encoding, so real copies stay well below it (Gen5 x16: 63 GB/s

@@ -6,7 +6,7 @@ import argparse
 
 from .. import layouts, targets
 from ..benchutil import counts, names
-from .config import BACKENDS, COPY_ENGINE_BACKENDS, DIRECTIONS, PRESETS, ModelConfig, PointSpec
+from .config import BACKENDS, COPY_ENGINE_BACKENDS, DIRECTIONS, KERNEL_BACKENDS, PRESETS, ModelConfig, PointSpec
 
 
 def models_from_args(args: argparse.Namespace) -> list[ModelConfig]:
@@ -54,14 +54,14 @@ def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
                         for b in backends:
                             sm = None if b in COPY_ENGINE_BACKENDS else args.sm_budget
                             points.append(PointSpec(model, b, direction, layout, page, pages, sm))
-        # SM-budget sweep of the kernel at the middle page size, first layout.
-        if "kernel" in backends:
+        # SM-budget sweep of each kernel design at the middle page size, first layout.
+        for kernel in (b for b in KERNEL_BACKENDS if b in backends):
             page = page_sizes[len(page_sizes) // 2]
             for sm in counts("--sm-sweep", args.sm_sweep, allow_empty=True):
                 if sm == args.sm_budget:
                     continue
                 for direction in directions:
-                    points.append(PointSpec(model, "kernel", direction, usable[0], page, max(1, args.tokens // page),
+                    points.append(PointSpec(model, kernel, direction, usable[0], page, max(1, args.tokens // page),
                                             sm))  # fmt: skip
     if args.targets_core:
         return core_targets_plan(points, models)

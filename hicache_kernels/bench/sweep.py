@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .. import benchutil, layouts
-from .config import COPY_ENGINE_BACKENDS, DIRECTIONS, DTYPES, LINK_TOLERANCE, ModelConfig, PointSpec
+from .config import COPY_ENGINE_BACKENDS, DIRECTIONS, DTYPES, KERNEL_BULK, LINK_TOLERANCE, ModelConfig, PointSpec
 
 
 class Workload:
@@ -72,6 +72,8 @@ def _backend_object(spec: PointSpec):
 
     if spec.backend == "kernel":
         return KernelBackend(num_blocks=spec.sm_budget)
+    if spec.backend == KERNEL_BULK:
+        return KernelBackend(num_blocks=spec.sm_budget, design="bulk")
     if spec.backend == "auto":
         auto = AutoBackend()
         auto.kernel = KernelBackend(num_blocks=spec.sm_budget)
@@ -142,6 +144,8 @@ def transfer_fn(spec: PointSpec, work: Workload, gen: torch.Generator) -> PointW
         state["copy"]()
         # After the copies are issued (a few attribute reads): BatchBackend resets last_fallback on
         # every call, so each run's is collected here, or a fallback in any but the last run is lost.
+        if spec.backend == KERNEL_BULK:  # the design that ran: bulk, or the register kernel where bulk cannot
+            choices.add(backend.last_design)
         if spec.backend == "auto":
             choices.add(backend.last_choice)
             batch = backend.batch if backend.last_choice == "batch" else None
@@ -259,6 +263,8 @@ def run_sweep(
             point["refcheck"] = pw.check()
         if spec.backend == "auto":
             point["auto_choice"] = ",".join(sorted(pw.choices)) or None
+        if spec.backend == KERNEL_BULK:
+            point["kernel_design"] = ",".join(sorted(pw.choices)) or None
         if spec.backend in ("batch", "auto"):  # every run's fallback, warm-up and refcheck included
             point["batch_fallback"] = "; ".join(sorted(pw.fallbacks)) or None
         points.append(point)
