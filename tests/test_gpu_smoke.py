@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_kernels.backends import BatchBackend, get_backend
+from hicache_kernels.backends import BatchBackend, KernelBackend, get_backend
 
 from test_ops_gpu import BACKENDS, LAYOUT_IDS, LAYOUT_KINDS, gpu_case
 
@@ -60,3 +60,13 @@ def test_every_vector_width(backend, width):
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32], ids=str)
 def test_other_dtypes_on_the_kernel(dtype):
     round_trip("kernel", "page_first_direct", False, dtype, 16)
+
+
+@pytest.mark.parametrize(("layout", "mla"), [("page_first_direct", False), ("layer_first", True), ("page_head", False)])
+def test_bulk_kernel_design(layout, mla):
+    """The sm_90+ bulk-copy kernel against the reference (and that it, not the register kernel, ran)."""
+    backend = KernelBackend(design="bulk")
+    stream = torch.cuda.Stream()
+    gpu_case(backend, layout, mla, torch.bfloat16, 16, "d2h", None, stream=stream)
+    assert backend.last_design == ("bulk" if torch.cuda.get_device_capability() >= (9, 0) else "register")
+    gpu_case(backend, layout, mla, torch.bfloat16, 16, "h2d", 1, stream=stream, stacked=False)
