@@ -3,6 +3,7 @@ machine (including a hypothesis model check), and compatibility with hicache_ker
 
 from __future__ import annotations
 
+import random
 import re
 import sys
 import threading
@@ -669,3 +670,44 @@ def test_cuda_pools_kernel_round_trip(layout, mla, stacked):
     fill_random(dev, seed=7)
     round_trip(dev, host, "kernel", index_device=dev.device)
     assert dev.available_size() == dev.size and host.available_size() == host.size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_device_alloc_free_match_a_page_stack_model(page_size):
+    """Frees of whole pages in any page order (the O(n) path) and with slots out of order inside a page
+    (the general path) keep the same free-page stack: freed pages come back ascending, last freed first."""
+    r = random.Random(page_size)
+    pool = dev_pool(num_slots=64, page_size=page_size)
+    stack = list(range(64 // page_size - 1, -1, -1))  # top at the end
+    held: list[int] = []  # allocated pages
+    for _ in range(300):
+        if held and r.random() < 0.5:
+            pages = r.sample(held, r.randint(1, len(held)))
+            slots = [p * page_size + o for p in pages for o in range(page_size)]
+            if page_size > 1 and r.random() < 0.3:
+                slots[:page_size] = slots[:page_size][::-1]  # inside a page out of order: still whole pages
+            pool.free(torch.tensor(slots, dtype=r.choice([torch.int64, torch.int32])))
+            held = [p for p in held if p not in pages]
+            stack.extend(sorted(pages, reverse=True))
+        else:
+            n = r.randint(0, 5)
+            got = pool.alloc(n * page_size)
+            if n > len(stack):
+                assert got is None
+                continue
+            want = stack[len(stack) - n :][::-1]
+            del stack[len(stack) - n :]
+            assert got.tolist() == [p * page_size + o for p in want for o in range(page_size)]
+            held += want
+        assert pool.available_size() == len(stack) * page_size
+        alloc = pool.is_allocated().view(-1, page_size)
+        assert alloc.all(dim=1).tolist() == [p in held for p in range(64 // page_size)]
+        assert (alloc.all(dim=1) == alloc.any(dim=1)).all()
+
+
+def test_device_free_of_a_repeated_whole_page_is_refused():
+    pool = dev_pool(num_slots=32, page_size=4)
+    a = pool.alloc(8)
+    with pytest.raises(ValueError, match="repeated slot"):
+        pool.free(torch.cat([a, a[:4]]))
+    assert pool.is_allocated(a).all() and pool.available_size() == 24

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from hicache import FIFO, LFU, LRU, SLRU, Priority, get_policy
 from hicache_kernels.layouts import LAYOUTS, MLA_LAYOUTS
 
-from cachedata import check_kv, evict_and_reload, make_cache, prefill
+from cachedata import check_kv, evict_and_reload, make_cache, prefill, write_kv
 from test_cache_stress import state_of
 
 
@@ -436,3 +437,75 @@ def test_a_cache_on_a_closed_controller_refuses_before_changing_anything():
     assert state_of(c) == before and m.last_host_node.value is None
     c.verify(external_device=slots)
     c.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_insert_leaves_the_matched_slots_to_the_tree_and_reports_only_duplicates(page_size):
+    """The insert contract: a caller that passes ``match_prefix``'s slots back and frees
+    ``device_indices[hit:dup]`` frees only its own duplicates, never the tree's slots, even when another
+    insert cached more of the key between its match and its insert."""
+    with make_cache(device_slots=64, page_size=page_size, layout="page_first_direct") as c:
+        base, ext = list(range(100, 108)), list(range(200, 208))
+        prefill(c, base)
+        m = c.match_prefix(base + ext)
+        hit = len(m.device_indices)
+        assert hit == 8
+        mine = c.device_pool.alloc(8)
+        write_kv(c, ext, mine, start=hit)
+        assert prefill(c, base + ext) == 8  # another request caches `ext` first
+        full = torch.cat([m.device_indices, mine])
+        dup = c.insert(base + ext, full)
+        assert dup == 16  # all of it was cached: the tree took none of `full`
+        assert c.device_pool.is_allocated(m.device_indices).all()  # the tree's: not the caller's to free
+        c.device_pool.free(full[hit:dup])  # the caller's duplicates
+        c.verify()
+        check_kv(c, base + ext, c.match_prefix(base + ext).device_indices)
+
+
+def test_insert_refuses_a_tree_slot_at_another_tokens_position():
+    """A slot the tree owns for other tokens, passed where the tree already caches the key, would be
+    reported as a duplicate for the caller to free: refused before anything changes."""
+    with make_cache(device_slots=64) as c:
+        a, b = list(range(10, 18)), list(range(50, 58))
+        prefill(c, a)
+        prefill(c, b)
+        ma = c.match_prefix(a)
+        mb = c.match_prefix(b)
+        wrong = ma.device_indices.clone()
+        wrong[3] = mb.device_indices[0]  # owned by the tree, for b's first token
+        wrong[5] = ma.device_indices[6]  # owned by the tree, for another position of a
+        wrong[6] = ma.device_indices[5]
+        before = state_of(c)
+        with pytest.raises(ValueError, match="device_indices: .*owned by the tree for other tokens"):
+            c.insert(a, wrong)
+        assert state_of(c) == before
+        c.verify()
+        # The tree's own slots, or the caller's own (unowned) slots, are both fine there.
+        assert c.insert(a, ma.device_indices) == 8
+        mine = c.device_pool.alloc(8)
+        assert c.insert(a, mine) == 8
+        c.device_pool.free(mine)
+        c.verify()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tokens_of_any_integer_type_match_the_same_prefix(page_size):
+    with make_cache(device_slots=64, page_size=page_size, layout="page_first_direct") as c:
+        toks = list(range(1000, 1016))
+        prefill(c, toks)
+        want = c.match_prefix(toks).device_indices
+        for form in (
+            tuple(toks),
+            torch.tensor(toks),
+            np.array(toks),
+            [np.int64(t) for t in toks],
+            toks[:7] + [np.int32(toks[7])] + toks[8:],
+        ):
+            got = c.match_prefix(form).device_indices
+            assert torch.equal(got, want), type(form)
+        # A key that leaves an edge part-way (by bisection) splits it at the page boundary.
+        for n in (1, 5, 9, 15):
+            other = toks[:n] + [7] * (16 - n)
+            aligned = n - n % page_size
+            assert torch.equal(c.match_prefix(other).device_indices, want[:aligned])
+        c.verify()

@@ -69,6 +69,9 @@ class SlotState(IntEnum):
     LOADING = 4  # a load-back (host -> device) from it is in flight; data stays valid
 
 
+_FREE, _RESERVED = np.uint8(SlotState.FREE), np.uint8(SlotState.RESERVED)  # plain numpy scalars: no enum per call
+
+
 def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -85,7 +88,10 @@ class _PagedSlots:
 
     Free pages live in a numpy array used as a stack (``_stack[:_num_free]``, top at the end), so
     alloc and free move whole batches of pages with slicing instead of per-page Python loops. The
-    invariant: a page is on the stack iff all its slots are ``FREE``.
+    invariant: a page is on the stack iff all its slots are ``FREE``. Alloc and the device pool's free
+    update the states through a ``[pages, page_size]`` view (one index per page) and check repeats in
+    O(n) with a scratch array instead of sorting (``np.unique``), which only the general path of
+    :meth:`transition` (any slots, or whole pages given out of order) still does.
     """
 
     def __init__(self, size: int, page_size: int) -> None:
@@ -99,6 +105,11 @@ class _PagedSlots:
         self._states = np.zeros(size, dtype=np.uint8)
         self._ever = np.zeros(size, dtype=bool)  # allocated at least once: tells a double free from a stray one
         self._offsets = np.arange(page_size, dtype=np.int64)
+        # Per-page views for page-granular updates, and the scratch of the O(n) repeat check on pages.
+        self._page_states = self._states.reshape(num_pages, page_size)
+        self._page_ever = self._ever.reshape(num_pages, page_size)
+        self._scratch = np.empty(num_pages, dtype=np.int32 if num_pages < 2**31 else np.int64)
+        self._index = np.arange(num_pages, dtype=self._scratch.dtype)
         self._lock = threading.Lock()
 
     def available_size(self) -> int:
@@ -114,13 +125,18 @@ class _PagedSlots:
             )
         need = int(num_tokens) // self.page_size
         with self._lock:
-            if need > self._num_free:
+            top = self._num_free
+            if need > top:
                 return None
-            pages = self._stack[self._num_free - need : self._num_free][::-1]
-            self._num_free -= need
-            slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
-            self._states[slots] = SlotState.RESERVED
-            self._ever[slots] = True
+            pages = self._stack[top - need : top][::-1]
+            self._num_free = top - need
+            # Page-indexed updates: one index per page, not per slot.
+            self._page_states[pages] = _RESERVED
+            self._page_ever[pages] = True
+            if self.page_size == 1:
+                slots = pages.copy()
+            else:
+                slots = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
         return torch.from_numpy(slots)
 
     def _parse(self, method: str, slots: object, whole_pages: bool) -> np.ndarray:
@@ -151,6 +167,48 @@ class _PagedSlots:
                 )
         return s
 
+    def _whole_pages(self, s: np.ndarray) -> np.ndarray | None:
+        """The pages of ``s`` when it is whole pages, each in order, none twice (what alloc hands out),
+        checked in O(n) without sorting; None when it is anything else (then :meth:`_parse` decides)."""
+        ps = self.page_size
+        if s.size % ps or np.count_nonzero(s.view(np.uint64) >= self.size):  # negatives wrap to huge
+            return None
+        if ps == 1:
+            pages = s
+        else:
+            base = s.reshape(-1, ps) - self._offsets  # a page in order reads its first slot in every column
+            first = base[:, :1]
+            if np.count_nonzero(base != first) or np.count_nonzero(first % ps):
+                return None
+            pages = base[:, 0] // ps
+        idx = self._index[: pages.size]
+        self._scratch[pages] = idx  # the last writer of a repeated page wins, so an earlier one reads back
+        if np.count_nonzero(self._scratch[pages] != idx):
+            return None
+        return pages
+
+    def free_pages(self, method: str, slots: torch.Tensor, reasons: dict[SlotState, str]) -> None:
+        """``RESERVED -> FREE`` of whole pages (the device pool's free), all or nothing: O(n) checks and
+        page-indexed updates on the usual input (whole pages in order, as alloc gave them); anything
+        else goes through :meth:`transition`, which accepts or names the fault the same way."""
+        if isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int64, torch.int32):
+            s = slots.detach().cpu().numpy().astype(np.int64, copy=False)
+            with self._lock:
+                pages = self._whole_pages(s) if s.size else None
+                if pages is not None:
+                    if not np.count_nonzero(self._states[s] != _RESERVED):
+                        self._page_states[pages] = _FREE
+                        self._push(pages)
+                        return
+        self.transition(method, slots, (SlotState.RESERVED,), SlotState.FREE, reasons, whole_pages=True)
+
+    def _push(self, pages: np.ndarray) -> None:
+        """Put distinct ``pages`` on the free stack, reversed and sorted so the next alloc takes them in
+        ascending order."""
+        pages = np.sort(pages)
+        self._stack[self._num_free : self._num_free + pages.size] = pages[::-1]
+        self._num_free += pages.size
+
     def transition(
         self,
         method: str,
@@ -172,10 +230,7 @@ class _PagedSlots:
                 raise ValueError(self._message(method, s[bad], cur[bad], sources, reasons))
             self._states[s] = target
             if target == SlotState.FREE:
-                pages = np.unique(s // self.page_size)
-                # Pushed reversed so the next alloc takes them in ascending order.
-                self._stack[self._num_free : self._num_free + pages.size] = pages[::-1]
-                self._num_free += pages.size
+                self._push(np.unique(s // self.page_size))
 
     def _message(
         self,
@@ -345,9 +400,7 @@ class DeviceKVPool:
         Raises ``ValueError`` (and frees nothing) for a slot out of range, repeated, not yet allocated
         (double free or never allocated), or a page given only in part.
         """
-        self._slots.transition(
-            "free", slots, (SlotState.RESERVED,), SlotState.FREE, {SlotState.FREE: "double free"}, whole_pages=True
-        )
+        self._slots.free_pages("free", slots, {SlotState.FREE: "double free"})
 
     def is_allocated(self, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Bool tensor: whether each of ``slots`` (default: every slot) is allocated."""
@@ -357,7 +410,7 @@ class DeviceKVPool:
         """Bool array: whether each of ``slots`` is allocated, for a caller that has already checked them
         (an int64 numpy array inside ``[0, size)``): the per-call lookup, without the checks and the
         sort of :meth:`is_allocated`."""
-        return self._slots.states_of(slots) != SlotState.FREE
+        return self._slots.states_of(slots) != _FREE
 
     def available_size(self) -> int:
         """Free token slots."""

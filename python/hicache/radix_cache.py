@@ -52,7 +52,7 @@ from .invariants import check_invariants
 from .policies import EvictionPolicy, get_policy
 from .pools import DeviceKVPool, HostKVPool
 from .slot_check import TreeDeviceSlots
-from .tree import MatchResult, TreeNode, is_attached, subtree
+from .tree import MatchResult, TreeNode, is_attached, match_path, page_key, subtree
 
 __all__ = ["HiRadixCache", "MatchResult", "TreeNode"]
 
@@ -137,19 +137,6 @@ class HiRadixCache(CopyAcks):
         self._clock += 1
         return self._clock
 
-    def _page_key(self, tokens: Any) -> tuple[int, ...]:
-        key = tuple(int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens))
-        return key[: len(key) - len(key) % self.page_size]
-
-    def _common(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
-        """Length of the common page-aligned prefix of ``a`` and ``b``."""
-        n = 0
-        limit = min(len(a), len(b))
-        p = self.page_size
-        while n < limit and a[n : n + p] == b[n : n + p]:
-            n += p
-        return n
-
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Split ``child`` after ``at`` tokens; returns the new upper node (which inherits locks and
         counters: a lock on any descendant covers it too)."""
@@ -170,35 +157,6 @@ class HiRadixCache(CopyAcks):
         upper.children[child.key[: self.page_size]] = child
         return upper
 
-    def _walk(self, key: tuple[int, ...]):
-        """Yield matched nodes top-down, splitting the last one at a partial match."""
-        node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + self.page_size])
-            if child is None:
-                return
-            n = self._common(child.key, key[pos:])
-            if n < len(child.key):
-                child = self._split(child, n)
-            yield child
-            node, pos = child, pos + n
-
-    def _peek(self, key: tuple[int, ...]) -> tuple[list[tuple[TreeNode, int, int]], int]:
-        """What :meth:`_walk` would yield, without splitting: ``(node, start, tokens matched)`` per node,
-        and the matched length."""
-        node, pos, out = self.root, 0, []
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + self.page_size])
-            if child is None:
-                break
-            n = self._common(child.key, key[pos:])
-            out.append((child, pos, n))
-            pos += n
-            if n < len(child.key):
-                break
-            node = child
-        return out, pos
-
     def _touch(self, node: TreeNode) -> None:
         node.last_access_time = self._tick()
         node.hit_count += 1
@@ -214,25 +172,37 @@ class HiRadixCache(CopyAcks):
     def match_prefix(self, tokens: Any) -> MatchResult:
         """Longest cached prefix of ``tokens`` (a list or 1-D tensor of ints), page-aligned."""
         self._check_open("match_prefix")
-        key = self._page_key(tokens)
+        key = page_key(tokens, self.page_size)
         device: list[torch.Tensor] = []
         last_device = last_host = self.root
         host_len = 0
-        for node in self._walk(key):
-            if node.id in self._lost:
+        dev_len = 0
+        path, _, cut = match_path(self.root, key, self.page_size)
+        if cut:
+            path[-1] = self._split(path[-1], cut)
+        touch = self._touch if self.write_policy == "write_through_selective" else None
+        lost = self._lost
+        for node in path:
+            if lost and node.id in lost:
                 break  # its device KV is lost (failed load-back) and it has no usable copy until released
-            self._touch(node)
+            if touch is None:  # _touch, inlined: the clock ticks once per node
+                self._clock += 1
+                node.last_access_time = self._clock
+                node.hit_count += 1
+            else:
+                touch(node)
             if node.value is not None:
                 device.append(node.value)
+                dev_len += len(node.key)
                 last_device = node
             else:
                 host_len += len(node.key)
             last_host = node
-        indices = torch.cat(device) if device else torch.empty(0, dtype=torch.int64)
+        indices = torch.cat(device) if device else torch.empty(0, dtype=torch.int64)  # a copy: the caller's
         m = self.metrics
-        m.device_hit_tokens += len(indices)
+        m.device_hit_tokens += dev_len
         m.host_hit_tokens += host_len
-        m.miss_tokens += len(tokens) - len(indices) - host_len
+        m.miss_tokens += len(tokens) - dev_len - host_len
         return MatchResult(indices, last_device, last_host, host_len)
 
     def insert(self, tokens: Any, device_indices: torch.Tensor, priority: int = 0) -> int:
@@ -242,57 +212,93 @@ class HiRadixCache(CopyAcks):
         ----------
         tokens : a page-aligned list or 1-D tensor of token ids.
         device_indices : 1-D integer tensor, allocated device slots, whole pages in order, no slot twice.
-            Where the tree already holds the tokens on the device, the slots may be the tree's own (as
-            ``match_prefix`` returned them) or the caller's; everywhere else they must be the caller's:
-            the tree takes them.
+            Where the tree already holds the tokens on the device, each slot must be either the tree's
+            own slot for that token (as ``match_prefix`` returned it) or one of the caller's that the
+            tree does not own; everywhere else they must be the caller's: the tree takes them.
 
         Returns
         -------
-        How many leading tokens were already cached on the device: those slots of ``device_indices``
-        stay the caller's (free them unless they were the tree's); the rest now belong to the tree.
-        Host-only nodes along the way are revived with the caller's slots (their host copy stays valid).
+        ``dup``: how many leading tokens were already cached on the device. The tree takes no slot of
+        ``device_indices[:dup]``: there, the tree's own slots stay the tree's (never free them) and the
+        caller's stay the caller's (free them, or the pool leaks). A caller that passed the
+        ``match_prefix`` result (``hit`` slots) followed by its own slots frees exactly
+        ``device_indices[hit:dup]`` (empty unless another insert cached more of the key meanwhile), never
+        ``device_indices[:dup]``. The rest of ``device_indices`` now belongs to the tree. Host-only nodes
+        along the way are revived with the caller's slots (their host copy stays valid).
 
         Raises ``TypeError`` / ``ValueError`` naming ``device_indices`` (or ``RuntimeError`` after
-        :meth:`close`) before changing anything.
+        :meth:`close`) before changing anything, also when a slot of ``device_indices[:dup]`` is owned by
+        the tree but is not the tree's slot for that token (freeing it as a duplicate would corrupt
+        the cache).
         """
         self._check_open("insert")
-        key = self._page_key(tokens)
+        key = page_key(tokens, self.page_size)
         if len(key) != len(tokens):
             raise ValueError(
                 f"tokens: expected a page-aligned key (a multiple of page_size {self.page_size}), got {len(tokens)}; "
                 "device_indices: one slot per token"
             )
-        s = self._slots.check(device_indices, len(key))
-        matched, end = self._peek(key)
-        taken = np.zeros(len(key), dtype=bool)  # positions whose slots the tree takes
-        taken[end:] = True
-        for node, start, n in matched:
+        s = self._slots.as_array(device_indices, len(key))
+        path, end, cut = match_path(self.root, key, self.page_size)
+        # Device-resident nodes come first on a path (invariant); the host-only ones after them get the
+        # caller's slots, as does everything past the match.
+        dup = 0
+        cached: list[torch.Tensor] = []
+        for node in path:
             if node.value is None:
-                taken[start : start + n] = True
-        self._slots.check_unowned(s, taken)
-        # Checked: from here on nothing raises.
-        device_indices = torch.from_numpy(s)
-        node, pos, duplicated = self.root, 0, 0
-        for node in self._walk(key):
+                break
+            if cut and node is path[-1]:
+                cached.append(node.value[:cut])
+                dup += cut
+            else:
+                cached.append(node.value)
+                dup += len(node.key)
+        # Usually the caller passes the tree's own slots back for the cached part: those need no check
+        # (allocated, whole pages, and owned, so distinct from the unowned ones the tree takes), only
+        # the rest does. Anything else, or a fault, goes through the full check, which names it.
+        slots = self._slots
+        try:
+            fast = slots.is_cached(s[:dup], cached)
+            if fast:
+                slots.check(s[dup:])
+                slots.check_unowned(s[dup:])
+        except ValueError:
+            fast = False
+        if not fast:
+            slots.check(s)
+            slots.check_duplicates(s[:dup], cached)
+            slots.check_unowned(s[dup:])
+        # Checked: from here on nothing raises. One copy of the slots the tree takes (the caller keeps
+        # its tensor); the nodes hold views of it.
+        taken = torch.from_numpy(s[dup:].copy())
+        if cut:
+            path[-1] = self._split(path[-1], cut)
+        touch = self._touch if self.write_policy == "write_through_selective" else None
+        node, pos = self.root, 0
+        for node in path:
             n = len(node.key)
             if node.value is None:
-                node.value = device_indices[pos : pos + n].clone()
+                node.value = taken[pos - dup : pos - dup + n]
                 self._slots.take(node.value)
+            if priority > node.priority:
+                node.priority = priority
+            if touch is None:  # _touch, inlined
+                self._clock += 1
+                node.last_access_time = self._clock
+                node.hit_count += 1
             else:
-                duplicated += n
-            node.priority = max(node.priority, priority)
-            self._touch(node)
+                touch(node)
             pos += n
         if pos < len(key):
             new = TreeNode(next(self._ids), node, key[pos:], self._tick())
-            new.value = device_indices[pos:].clone()
+            new.value = taken[pos - dup :]
             self._slots.take(new.value)
             new.priority = priority
             node.children[new.key[: self.page_size]] = new
             new.hit_count = 1
             if self.write_policy == "write_through":
                 self._backup(new)
-        return duplicated
+        return dup
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> None:

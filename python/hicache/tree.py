@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -69,6 +71,69 @@ class MatchResult:
     last_device_node: TreeNode
     last_host_node: TreeNode
     host_hit_length: int
+
+
+def page_key(tokens: Any, page_size: int) -> tuple[int, ...]:
+    """``tokens`` as a tuple of ints cut to whole pages: the one conversion of a tree call.
+
+    A list or tuple whose first and last items are Python ints is taken as it is (``tuple()`` in C, no
+    per-token ``int()``); tensors and arrays go through ``tolist()``; anything else through ``int()``
+    per token. Equal ints compare and hash equal whatever their type, so this changes speed, never
+    which prefix matches.
+    """
+    if type(tokens) is list or type(tokens) is tuple:
+        key = tuple(tokens)
+        if key and (type(key[0]) is not int or type(key[-1]) is not int):
+            key = tuple(map(int, key))
+    elif isinstance(tokens, (torch.Tensor, np.ndarray)):
+        key = tuple(tokens.tolist())
+    else:
+        key = tuple(map(int, tokens))
+    cut = len(key) % page_size
+    return key[: len(key) - cut] if cut else key
+
+
+def _common(edge: tuple[int, ...], key: tuple[int, ...], pos: int, page_size: int) -> int:
+    """Page-aligned length of the common prefix of ``edge`` and ``key[pos:]``, for an edge that does not
+    match whole: bisection over slice comparisons, so tokens are compared in C, not one by one."""
+    limit = min(len(edge), len(key) - pos)
+    if edge[:limit] == key[pos : pos + limit]:
+        lo = limit  # the key ends inside the edge
+    else:
+        lo, hi = 0, limit  # edge[:lo] matches; the first difference lies in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if edge[lo:mid] == key[pos + lo : pos + mid]:
+                lo = mid
+            else:
+                hi = mid
+    return lo - lo % page_size
+
+
+def match_path(root: TreeNode, key: tuple[int, ...], page_size: int) -> tuple[list[TreeNode], int, int]:
+    """The nodes a page-aligned ``key`` runs through from ``root``, top-down, without changing the tree:
+    ``(path, matched, cut)``. ``matched`` tokens match; ``cut`` > 0 when the key leaves the last node
+    after ``cut`` of its tokens (the caller splits it there before using it), else 0.
+
+    An edge that matches whole (the usual case) costs one slice of the key and one tuple comparison,
+    both in C; the rest of the key is never copied.
+    """
+    node, pos, path = root, 0, []
+    size = len(key)
+    while pos < size:
+        child = node.children.get(key[pos : pos + page_size])
+        if child is None:
+            break
+        edge = child.key
+        n = len(edge)
+        path.append(child)
+        if key[pos : pos + n] != edge:
+            n = _common(edge, key, pos, page_size)
+            if n < len(edge):
+                return path, pos + n, n
+        pos += n
+        node = child
+    return path, pos, 0
 
 
 def subtree(start: TreeNode) -> Iterator[TreeNode]:

@@ -1,0 +1,228 @@
+"""Radix-tree benchmark: a seeded multi-turn chat workload through ``match_prefix`` + ``insert``.
+
+What a scheduler does per request is timed: match the prompt, allocate device slots for the tokens
+that missed, insert the page-aligned prompt with the matched slots plus the new ones, and free the
+slots the insert reports as duplicated. No KV is copied: the pools are CPU pools of one layer, one
+head of one element, large enough that nothing is evicted, the controller runs inline
+(``threaded=False``) and the write policy is ``write_back`` (a backup only on eviction, which never
+happens), so the figure is the tree plus the slot allocator.
+
+When ``sglang.srt.mem_cache.radix_cache`` imports (SGLang's pure-Python ``RadixCache``), the same
+requests run through it in the same process and the ratio is reported. Its slots come from a counter
+(no allocator, nothing freed), which flatters it slightly.
+
+Workload (SGLang ``benchmark/hicache/bench_multiturn.py`` in spirit): ``conversations`` chats, each
+starting from one of ``system_prompts`` shared system prompts; turn ``t`` sends the whole history
+(system prompt, every earlier question and answer) plus a new question. Requests are issued in a
+seeded interleaving that keeps each chat's turns in order.
+
+Run ``python -m hicache.bench_tree [--json PATH]``; ``--help`` lists the knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .pools import DeviceKVPool, HostKVPool
+from .radix_cache import HiRadixCache
+
+VOCAB = 32000
+
+
+@dataclass
+class Workload:
+    seed: int = 0
+    conversations: int = 96
+    turns: int = 8
+    system_prompts: int = 4
+    system_len: int = 512
+    question_len: int = 96
+    answer_len: int = 160
+
+
+def make_requests(w: Workload) -> list[list[int]]:
+    """The prompts in issue order (lists of Python ints, as a scheduler holds them)."""
+    r = random.Random(w.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [r.randrange(VOCAB) for _ in range(n)]
+
+    systems = [tokens(w.system_len) for _ in range(w.system_prompts)]
+    history = [list(systems[r.randrange(w.system_prompts)]) for _ in range(w.conversations)]
+    # Every conversation's turns in order, the conversations interleaved at random.
+    order = [c for c in range(w.conversations) for _ in range(w.turns)]
+    r.shuffle(order)
+    requests = []
+    for c in order:
+        # Lengths vary by up to +-25% so edges do not fall on page boundaries by construction.
+        history[c] += tokens(r.randint(w.question_len * 3 // 4, w.question_len * 5 // 4))
+        requests.append(list(history[c]))
+        history[c] += tokens(r.randint(w.answer_len * 3 // 4, w.answer_len * 5 // 4))
+    return requests
+
+
+def _hicache_runner(page_size: int, total_tokens: int) -> Callable[[list[list[int]]], int]:
+    def run(requests: list[list[int]]) -> int:
+        slots = (total_tokens // page_size + 1) * page_size
+        dev = DeviceKVPool(num_slots=slots, num_layers=1, head_num=1, head_dim=1, dtype=torch.float16,
+                           device="cpu", page_size=page_size)  # fmt: skip
+        host = HostKVPool(dev, layout="page_first", ratio=1.01, safety_margin_gb=0.0)
+        cache = HiRadixCache(dev, host, io_backend="direct", write_policy="write_back", threaded=False)
+        hits = 0
+        t0 = time.perf_counter()
+        for toks in requests:
+            m = cache.match_prefix(toks)
+            hit = len(m.device_indices)
+            key_len = len(toks) - len(toks) % page_size
+            new = dev.alloc(key_len - hit)
+            full = torch.cat([m.device_indices, new])
+            dup = cache.insert(toks[:key_len], full)
+            if dup > hit:
+                dev.free(full[hit:dup])
+            hits += hit
+        elapsed = time.perf_counter() - t0
+        cache.close()
+        run.elapsed = elapsed  # type: ignore[attr-defined]
+        return hits
+
+    return run
+
+
+def _sglang_runner(page_size: int) -> Callable[[list[list[int]]], int] | None:
+    try:
+        from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+
+    def run(requests: list[list[int]]) -> int:
+        cache = RadixCache(None, None, page_size=page_size)
+        next_slot = 0
+        hits = 0
+        t0 = time.perf_counter()
+        for toks in requests:
+            m = cache.match_prefix(toks)
+            hit = len(m.device_indices)
+            key_len = len(toks) - len(toks) % page_size
+            new = torch.arange(next_slot, next_slot + key_len - hit, dtype=torch.int64)
+            next_slot += key_len - hit
+            cache.insert(toks[:key_len], torch.cat([m.device_indices, new]))
+            hits += hit
+        run.elapsed = time.perf_counter() - t0  # type: ignore[attr-defined]
+        return hits
+
+    return run
+
+
+def _sglang_version() -> str | None:
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001
+        try:
+            import sglang  # noqa: PLC0415
+
+            return getattr(sglang, "__version__", "unknown")
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def measure(run: Callable[[list[list[int]]], int], requests: list[list[int]], repeats: int) -> dict[str, Any]:
+    times, hits = [], 0
+    for _ in range(repeats):
+        # The workload's 768 token lists are the bench's, not the cache's: frozen out of the garbage
+        # collector's scans (as a server's would be spread over time), so it times the tree (whose own
+        # objects stay collectable), the same for both sides.
+        gc.collect()
+        gc.freeze()
+        try:
+            hits = run(requests)
+        finally:
+            gc.unfreeze()
+        times.append(run.elapsed)  # type: ignore[attr-defined]
+    med = statistics.median(times)
+    total = sum(len(t) for t in requests)
+    return {
+        "requests_per_s": len(requests) / med,
+        "median_s": med,
+        "times_s": times,
+        "hit_rate": hits / total,
+    }
+
+
+def run_bench(w: Workload, page_sizes: list[int], repeats: int, compare: bool = True) -> dict[str, Any]:
+    requests = make_requests(w)
+    total = sum(len(t) for t in requests)
+    rows = []
+    for ps in page_sizes:
+        row: dict[str, Any] = {"page_size": ps, "hicache": measure(_hicache_runner(ps, total), requests, repeats)}
+        sgl = _sglang_runner(ps) if compare else None
+        if sgl is not None:
+            row["sglang"] = measure(sgl, requests, repeats)
+            row["speedup_vs_sglang"] = row["hicache"]["requests_per_s"] / row["sglang"]["requests_per_s"]
+        rows.append(row)
+    return {
+        "bench": "hicache.bench_tree",
+        "workload": {**asdict(w), "requests": len(requests), "tokens": total},
+        "repeats": repeats,
+        "sglang_version": _sglang_version() if compare else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hicache.bench_tree", description=__doc__.split("\n\n")[0])
+    d = Workload()
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--conversations", type=int, default=d.conversations)
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--system-prompts", type=int, default=d.system_prompts)
+    p.add_argument("--system-len", type=int, default=d.system_len)
+    p.add_argument("--question-len", type=int, default=d.question_len)
+    p.add_argument("--answer-len", type=int, default=d.answer_len)
+    p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-sglang", action="store_true", help="skip the side-by-side SGLang RadixCache run")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    w = Workload(a.seed, a.conversations, a.turns, a.system_prompts, a.system_len, a.question_len, a.answer_len)
+    out = run_bench(w, a.page_sizes, a.repeats, compare=not a.no_sglang)
+    wl = out["workload"]
+    print(f"workload: {wl['requests']} requests, {wl['tokens']} tokens, seed {w.seed}; median of {a.repeats}")
+    if out["sglang_version"] is None and not a.no_sglang:
+        print("sglang: not importable (no side-by-side run)")
+    for row in out["results"]:
+        h = row["hicache"]
+        line = f"page {row['page_size']:>3}: hicache {h['requests_per_s']:9.0f} req/s  hit rate {h['hit_rate']:.3f}"
+        if "sglang" in row:
+            s = row["sglang"]
+            line += (
+                f"  | sglang {out['sglang_version']} RadixCache {s['requests_per_s']:9.0f} req/s"
+                f"  hit rate {s['hit_rate']:.3f}  -> {row['speedup_vs_sglang']:.2f}x"
+            )
+        print(line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The radix-tree benchmark runs, writes valid JSON, and its hit rate is the workload's real one."""
+
+from __future__ import annotations
+
+import json
+
+from hicache.bench_tree import Workload, main, make_requests
+
+TINY = ["--conversations", "6", "--turns", "3", "--system-prompts", "2", "--system-len", "40",
+        "--question-len", "12", "--answer-len", "20", "--repeats", "2", "--page-sizes", "1", "4"]  # fmt: skip
+
+
+def reference_hits(requests: list[list[int]], page_size: int) -> int:
+    """Tokens each request shares (page-aligned) with the longest-matching earlier request."""
+    hits = 0
+    for i, req in enumerate(requests):
+        best = 0
+        for prev in requests[:i]:
+            prev = prev[: len(prev) - len(prev) % page_size]
+            n = 0
+            while n < min(len(req), len(prev)) and req[n] == prev[n]:
+                n += 1
+            best = max(best, n - n % page_size)
+        hits += best
+    return hits
+
+
+def test_bench_tree_writes_json_with_the_workloads_hit_rate(tmp_path):
+    out = tmp_path / "tree.json"
+    assert main([*TINY, "--no-sglang", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["bench"] == "hicache.bench_tree" and data["sglang_version"] is None
+    w = Workload(0, 6, 3, 2, 40, 12, 20)
+    requests = make_requests(w)
+    assert data["workload"]["requests"] == len(requests) == 18
+    total = sum(len(r) for r in requests)
+    assert data["workload"]["tokens"] == total
+    assert [row["page_size"] for row in data["results"]] == [1, 4]
+    for row in data["results"]:
+        h = row["hicache"]
+        assert h["requests_per_s"] > 0 and len(h["times_s"]) == 2 and "sglang" not in row
+        assert h["hit_rate"] == reference_hits(requests, row["page_size"]) / total
+
+
+def test_workload_is_seeded_and_multi_turn():
+    w = Workload(seed=3, conversations=4, turns=3, system_prompts=2, system_len=16, question_len=8, answer_len=8)
+    a, b = make_requests(w), make_requests(w)
+    assert a == b and len(a) == 12
+    assert make_requests(Workload(seed=4, conversations=4, turns=3, system_len=16)) != a
+    # Each request extends an earlier one of its conversation (or starts from a system prompt).
+    starts = {tuple(r[:16]) for r in a}
+    assert len(starts) <= 2
