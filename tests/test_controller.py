@@ -552,3 +552,21 @@ def test_dropped_without_close_releases_threads_and_pools(case, monkeypatch):
     assert not any(t.is_alive() for t in threads)
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_write_back_eviction_backs_up_all_its_nodes_in_one_copy(monkeypatch, threaded):
+    c = make_cache(device_slots=64, write_policy="write_back", threaded=threaded)
+    prompts = [list(range(i * 100, i * 100 + 8)) for i in range(3)]
+    for tokens in prompts:
+        prefill(c, tokens)
+    backups = []
+    wrap_copies(monkeypatch, "backup", lambda issue, call: (backups.append(len(call.device_indices)), issue()))
+    assert c.evict(c.device_pool.size) == 24
+    assert backups == [24]  # one op for the three nodes, not three
+    c.verify()
+    for tokens in prompts:  # each node was acknowledged on its own and is a host hit with the right KV
+        assert c.match_prefix(tokens).host_hit_length == 8
+        evict_and_reload(c, tokens, wait_layer=c.device_pool.num_layers - 1)  # threaded: wait for the load
+    c.verify()
+    c.close()

@@ -264,16 +264,31 @@ class HiCacheController:
         until the ack is processed) or None when the host pool has no room (counted in
         ``metrics.writes_refused_host_full`` unless ``count_refusal`` is False: a caller that will
         make room and retry counts only its final outcome)."""
+        out = self.write_many([(device_indices, node_id)], count_refusal)
+        return None if out is None else out[0]
+
+    def write_many(
+        self, items: list[tuple[torch.Tensor, int]], count_refusal: bool = True
+    ) -> list[torch.Tensor] | None:
+        """Back up several nodes' ``(device_indices, node_id)`` in ONE copy op (one bound call, one
+        index check): host slots for all of them are allocated together, and returned per item in
+        order; None (nothing allocated; one refusal counted per item unless ``count_refusal`` is
+        False) when the host pool cannot hold them all. Each node is acknowledged separately."""
         self._check_open()
-        host_indices = self.host_pool.alloc(len(device_indices))
+        if not items:
+            return []
+        sizes = [len(d) for d, _ in items]
+        host_indices = self.host_pool.alloc(sum(sizes))
         if host_indices is None:
-            self.metrics.writes_refused_host_full += int(count_refusal)
+            self.metrics.writes_refused_host_full += len(items) * int(count_refusal)
             return None
         self.host_pool.mark_writing(host_indices)
-        op = _Op("write", device_indices, host_indices, [node_id], self._ready_event())
-        self._outstanding["write"][node_id] += 1
+        device_indices = items[0][0] if len(items) == 1 else torch.cat([d for d, _ in items])
+        op = _Op("write", device_indices, host_indices, [node_id for _, node_id in items], self._ready_event())
+        for _, node_id in items:
+            self._outstanding["write"][node_id] += 1
         self._submit(self._write_queue, op)
-        return host_indices
+        return list(host_indices.split(sizes)) if len(items) > 1 else [host_indices]
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, node_id: int) -> None:
         """Queue a load-back of ``host_indices`` into ``device_indices`` (already allocated); it starts

@@ -33,10 +33,31 @@ class CopyAcks:
             host = self.controller.write(node.value, node.id)
         if host is None:
             return False
+        self._started_backup(node, host)
+        return True
+
+    def _backup_many(self: HiRadixCache, nodes: list[TreeNode]) -> None:
+        """Back up ``nodes`` in one copy op when the host pool can take them all (after making room
+        once); otherwise one by one, as :meth:`_backup`, so each gets what room there is."""
+        if len(nodes) == 1:
+            self._backup(nodes[0])
+            return
+        items = [(node.value, node.id) for node in nodes]
+        hosts = self.controller.write_many(items, count_refusal=False)
+        if hosts is None:
+            self.evict_host(sum(len(node.value) for node in nodes))
+            hosts = self.controller.write_many(items, count_refusal=False)
+        if hosts is None:
+            for node in nodes:
+                self._backup(node)
+            return
+        for node, host in zip(nodes, hosts, strict=True):
+            self._started_backup(node, host)
+
+    def _started_backup(self: HiRadixCache, node: TreeNode, host) -> None:
         node.host_value = host
         self.inc_lock_ref(node)
         self._inflight_writes[node.id] = (node, host)
-        return True
 
     def _count_failure(self: HiRadixCache, kind: str, node: TreeNode, error: BaseException, failures: list) -> None:
         m = self.metrics

@@ -378,8 +378,7 @@ class HiRadixCache(CopyAcks):
         if self.write_policy == "write_back":
             pending = [x for x in chosen if x.host_value is None]
             if pending:
-                for x in pending:
-                    self._backup(x)
+                self._backup_many(pending)  # one copy op for all of them
                 self.flush()  # write-back: the host copy must exist before the device copy goes
                 chosen = [x for x in chosen if x.value is not None]  # acks may have released lost subtrees
         freed = 0
