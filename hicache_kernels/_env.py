@@ -267,6 +267,15 @@ def io_backend_status(gpus: list[GpuInfo] | None = None) -> dict[str, BackendSta
             status["triton"] = BackendStatus(False, f"{torch_reason}; set TRITON_INTERPRET=1 to run on CPU tensors")
     except ImportError as exc:
         status["triton"] = BackendStatus(False, f"triton does not import: {exc}")
+    if not status["direct"].usable:
+        status["staged"] = BackendStatus(False, status["direct"].reason)
+    elif torch is None:
+        status["staged"] = BackendStatus(True, "torch packing and copies on CPU tensors")
+    else:
+        copies = "copy engines" if runtime_ok else f"torch copies (not the extension: {runtime_reason})"
+        status["staged"] = BackendStatus(
+            True, f"torch gather into a GPU staging buffer, then {copies} per host run (needs a pinned host pool)"
+        )
     picks = [n for n in ("kernel", "batch", "direct") if status[n].usable]
     status["auto"] = BackendStatus(bool(picks), "chooses among: " + ", ".join(picks) if picks else "nothing usable")
     return status

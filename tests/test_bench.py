@@ -90,7 +90,7 @@ def test_summarize_edge_cases():
 def test_plan_sweep_quick_and_full():
     quick = bench.plan_sweep(bench.parse_args(["--quick"]))
     main = [p for p in quick if p.sm_budget in (None, 4)]
-    assert len(main) == 3 * 2 * 3 * 6  # page sizes x layouts x ops x backends (two kernel designs)
+    assert len(main) == 3 * 2 * 3 * 7  # page sizes x layouts x ops x backends (two kernel designs, staged)
     for kernel in ("kernel", "kernel-bulk"):  # each kernel design's SM-budget sweep
         sweep = [p for p in quick if p.backend == kernel and p.sm_budget != 4]
         assert {p.sm_budget for p in sweep} == {1, 2, 8, 16} and {p.page_size for p in sweep} == {16}

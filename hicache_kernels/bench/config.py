@@ -18,6 +18,9 @@ KERNEL_BULK = "kernel-bulk"
 BACKENDS = ("kernel", KERNEL_BULK, *(name for name in IO_BACKENDS if name != "kernel"))
 KERNEL_BACKENDS = ("kernel", KERNEL_BULK)
 COPY_ENGINE_BACKENDS = ("direct", "batch")
+# Backends with no SM budget to sweep, planned on the host (host indices): the copy engines, and staged
+# (torch packing + copy engines).
+UNBUDGETED_BACKENDS = (*COPY_ENGINE_BACKENDS, "staged")
 # A measured GB/s may exceed the link's theoretical figure by this much before the run is refused.
 # NVML's figure subtracts only line encoding, so real copies stay well below it (Gen5 x16: 63 GB/s
 # theoretical, about 55 measured); the margin absorbs CUDA-event resolution on short copies.

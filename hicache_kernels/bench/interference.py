@@ -11,7 +11,14 @@ from typing import Any
 import torch
 
 from .. import benchutil
-from .config import COPY_ENGINE_BACKENDS, DTYPES, INTERFERENCE_GEMM_N, OVERLAP_GEMM_NS, ModelConfig, PointSpec
+from .config import (
+    DTYPES,
+    INTERFERENCE_GEMM_N,
+    OVERLAP_GEMM_NS,
+    UNBUDGETED_BACKENDS,
+    ModelConfig,
+    PointSpec,
+)
 from .sweep import Workload, transfer_fn
 
 
@@ -41,7 +48,7 @@ def interference(args: argparse.Namespace, model: ModelConfig, backends: list[st
     points = []
     for name in backends:
         spec = PointSpec(model, name, "backup_all", "page_first_direct", 16, max(1, args.tokens // 16),
-                         None if name in COPY_ENGINE_BACKENDS else args.sm_budget)  # fmt: skip
+                         None if name in UNBUDGETED_BACKENDS else args.sm_budget)  # fmt: skip
         side = torch.cuda.Stream()
         pw = transfer_fn(spec, work, gen)
         with torch.cuda.stream(side):

@@ -6,7 +6,15 @@ import argparse
 
 from .. import layouts, targets
 from ..benchutil import counts, names
-from .config import BACKENDS, COPY_ENGINE_BACKENDS, DIRECTIONS, KERNEL_BACKENDS, PRESETS, ModelConfig, PointSpec
+from .config import (
+    BACKENDS,
+    DIRECTIONS,
+    KERNEL_BACKENDS,
+    PRESETS,
+    UNBUDGETED_BACKENDS,
+    ModelConfig,
+    PointSpec,
+)
 
 
 def models_from_args(args: argparse.Namespace) -> list[ModelConfig]:
@@ -52,7 +60,7 @@ def plan_sweep(args: argparse.Namespace) -> list[PointSpec]:
                 for pages in page_counts(args, page):
                     for direction in directions:
                         for b in backends:
-                            sm = None if b in COPY_ENGINE_BACKENDS else args.sm_budget
+                            sm = None if b in UNBUDGETED_BACKENDS else args.sm_budget
                             points.append(PointSpec(model, b, direction, layout, page, pages, sm))
         # SM-budget sweep of each kernel design at the middle page size, first layout.
         for kernel in (b for b in KERNEL_BACKENDS if b in backends):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import benchutil
-from .config import COPY_ENGINE_BACKENDS, DIRECTIONS, LINK_TOLERANCE
+from .config import DIRECTIONS, LINK_TOLERANCE, UNBUDGETED_BACKENDS
 
 TRANSFER_FIELDS = {
     "model": str, "backend": str, "op": str, "direction": str, "scope": str, "layout": str, "page_size": int,
@@ -66,7 +66,7 @@ def validate_bench_json(doc: Any) -> list[str]:
         elif p.get("op") not in DIRECTIONS:
             errors.append(f"points[{i}].op: expected one of {', '.join(DIRECTIONS)}, got {p.get('op')!r}")
         sm = p.get("sm_budget", "missing")
-        if sm is not None and (p.get("backend") in COPY_ENGINE_BACKENDS or not _is(sm, int)):
+        if sm is not None and (p.get("backend") in UNBUDGETED_BACKENDS or not _is(sm, int)):
             errors.append(f"points[{i}].sm_budget: expected null for copy-engine backends, an int otherwise")
         timed = all(_is(p.get(k), t) for k, t in (("gbps", float), ("median_ms", float), ("bytes", int)))
         if timed and p["median_ms"] > 0:

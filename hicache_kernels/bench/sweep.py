@@ -10,7 +10,16 @@ from typing import Any
 import torch
 
 from .. import benchutil, layouts
-from .config import COPY_ENGINE_BACKENDS, DIRECTIONS, DTYPES, KERNEL_BULK, LINK_TOLERANCE, ModelConfig, PointSpec
+from .config import (
+    COPY_ENGINE_BACKENDS,
+    DIRECTIONS,
+    DTYPES,
+    KERNEL_BULK,
+    LINK_TOLERANCE,
+    UNBUDGETED_BACKENDS,
+    ModelConfig,
+    PointSpec,
+)
 
 
 class Workload:
@@ -106,7 +115,7 @@ def transfer_fn(spec: PointSpec, work: Workload, gen: torch.Generator) -> PointW
     direction, scope = DIRECTIONS[spec.direction]
     host = work.host(spec.layout, spec.page_size)
     backend = _backend_object(spec)
-    on_host = spec.backend in COPY_ENGINE_BACKENDS or work.device.type == "cpu"
+    on_host = spec.backend in UNBUDGETED_BACKENDS or work.device.type == "cpu"
     state: dict[str, Any] = {}
     fallbacks: set[str] = set()
     choices: set[str] = set()
