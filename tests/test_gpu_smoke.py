@@ -70,3 +70,15 @@ def test_bulk_kernel_design(layout, mla):
     gpu_case(backend, layout, mla, torch.bfloat16, 16, "d2h", None, stream=stream)
     assert backend.last_design == ("bulk" if torch.cuda.get_device_capability() >= (9, 0) else "register")
     gpu_case(backend, layout, mla, torch.bfloat16, 16, "h2d", 1, stream=stream, stacked=False)
+
+
+@pytest.mark.parametrize(("layout", "mla"), [("page_first_direct", False), ("layer_first", True)])
+def test_staged_backend(layout, mla):
+    """Copy engines through the GPU staging buffer, against the reference, several blocks per copy."""
+    round_trip_with(get_backend("staged", staging_pages=1), layout, mla)
+
+
+def round_trip_with(backend, layout: str, mla: bool) -> None:
+    stream = torch.cuda.Stream()
+    gpu_case(backend, layout, mla, torch.bfloat16, 16, "d2h", None, stream=stream)
+    gpu_case(backend, layout, mla, torch.bfloat16, 16, "h2d", 1, stream=stream, stacked=False)
