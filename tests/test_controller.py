@@ -570,3 +570,23 @@ def test_write_back_eviction_backs_up_all_its_nodes_in_one_copy(monkeypatch, thr
         evict_and_reload(c, tokens, wait_layer=c.device_pool.num_layers - 1)  # threaded: wait for the load
     c.verify()
     c.close()
+
+
+def test_selective_backups_of_one_match_go_in_one_copy(monkeypatch):
+    c = make_cache(device_slots=64, write_policy="write_through_selective")
+    c.write_through_threshold = 10  # no backup while the path is built
+    prefill(c, list(range(8)))
+    prefill(c, list(range(16)))  # a second node below the first
+    path = [c.match_prefix(list(range(16))).last_device_node]
+    path.insert(0, path[0].parent)
+    assert [len(n.key) for n in path] == [8, 8] and all(n.host_value is None for n in path)
+    for node in path:  # one hit short of the threshold, both
+        node.hit_count = c.write_through_threshold - 1
+    backups = []
+    wrap_copies(monkeypatch, "backup", lambda issue, call: (backups.append(len(call.device_indices)), issue()))
+    c.match_prefix(list(range(16)))  # both cross the threshold on this hit
+    assert backups == [16]  # one op for the two nodes
+    c.check_writes()
+    c.verify()
+    assert all(n.host_value is not None for n in path)
+    c.close()

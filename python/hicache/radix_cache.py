@@ -157,16 +157,17 @@ class HiRadixCache(CopyAcks):
         upper.children[child.key[: self.page_size]] = child
         return upper
 
-    def _touch(self, node: TreeNode) -> None:
+    def _touch(self, node: TreeNode) -> bool:
+        """A hit on ``node``; True when ``write_through_selective`` now wants it backed up (the caller
+        backs up every such node of one call in one copy op, :meth:`_backup_many`)."""
         node.last_access_time = self._tick()
         node.hit_count += 1
-        if (
+        return (
             self.write_policy == "write_through_selective"
             and node.hit_count >= self.write_through_threshold
             and node.value is not None
             and node.host_value is None
-        ):
-            self._backup(node)
+        )
 
     # ------------------------------------------------------------------ lookups and inserts
     def match_prefix(self, tokens: Any) -> MatchResult:
@@ -181,6 +182,7 @@ class HiRadixCache(CopyAcks):
         if cut:
             path[-1] = self._split(path[-1], cut)
         touch = self._touch if self.write_policy == "write_through_selective" else None
+        backups: list[TreeNode] = []
         lost = self._lost
         for node in path:
             if lost and node.id in lost:
@@ -189,8 +191,8 @@ class HiRadixCache(CopyAcks):
                 self._clock += 1
                 node.last_access_time = self._clock
                 node.hit_count += 1
-            else:
-                touch(node)
+            elif touch(node):
+                backups.append(node)
             if node.value is not None:
                 device.append(node.value)
                 dev_len += len(node.key)
@@ -198,6 +200,8 @@ class HiRadixCache(CopyAcks):
             else:
                 host_len += len(node.key)
             last_host = node
+        if backups:
+            self._backup_many(backups)  # every node this hit made worth a backup, in one copy op
         indices = torch.cat(device) if device else torch.empty(0, dtype=torch.int64)  # a copy: the caller's
         m = self.metrics
         m.device_hit_tokens += dev_len
@@ -274,6 +278,7 @@ class HiRadixCache(CopyAcks):
         if cut:
             path[-1] = self._split(path[-1], cut)
         touch = self._touch if self.write_policy == "write_through_selective" else None
+        backups: list[TreeNode] = []
         node, pos = self.root, 0
         for node in path:
             n = len(node.key)
@@ -286,8 +291,8 @@ class HiRadixCache(CopyAcks):
                 self._clock += 1
                 node.last_access_time = self._clock
                 node.hit_count += 1
-            else:
-                touch(node)
+            elif touch(node):
+                backups.append(node)
             pos += n
         if pos < len(key):
             new = TreeNode(next(self._ids), node, key[pos:], self._tick())
@@ -297,7 +302,9 @@ class HiRadixCache(CopyAcks):
             node.children[new.key[: self.page_size]] = new
             new.hit_count = 1
             if self.write_policy == "write_through":
-                self._backup(new)
+                backups.append(new)
+        if backups:
+            self._backup_many(backups)  # the new node (write_through) or the hot ones (selective): one op
         return dup
 
     # ------------------------------------------------------------------ locks
