@@ -711,3 +711,24 @@ def test_device_free_of_a_repeated_whole_page_is_refused():
     with pytest.raises(ValueError, match="repeated slot"):
         pool.free(torch.cat([a, a[:4]]))
     assert pool.is_allocated(a).all() and pool.available_size() == 24
+
+
+@pytest.mark.parametrize(
+    "layout,mla", [(lay, False) for lay in layouts.LAYOUTS] + [(lay, True) for lay in layouts.MLA_LAYOUTS]
+)
+def test_page_ranges_tile_the_buffer(layout, mla):
+    """Every page's ranges, over all pages, cover the host buffer exactly once."""
+    host = HostKVPool(dev_pool(mla=mla, page_size=4), layout=layout, ratio=2.0)
+    base, total = host.buffer.data_ptr(), host.buffer.numel() * host.buffer.element_size()
+    covered = np.zeros(total, dtype=np.int64)
+    for ranges in host.page_ranges(torch.arange(host.size)):
+        assert sum(n for _, n in ranges) == host.page_bytes
+        for addr, n in ranges:
+            covered[addr - base : addr - base + n] += 1
+    assert (covered == 1).all()
+    with pytest.raises(ValueError, match="page-aligned"):
+        host.page_ranges(torch.tensor([4, 5, 7, 6]))
+    with pytest.raises(ValueError, match="out of range"):
+        host.page_ranges(torch.arange(host.size, host.size + 4))
+    with pytest.raises(TypeError):
+        host.page_ranges(torch.zeros(4))

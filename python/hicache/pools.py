@@ -647,6 +647,90 @@ class HostKVPool:
             whole_pages=True,
         )
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (``page_size`` slots, all layers, K and V or the latent): a page object's size."""
+        return self.page_size * self.bytes_per_slot
+
+    def _page_pattern(self) -> tuple[tuple[int, int], ...]:
+        """The byte ranges of page 0 relative to ``buffer``'s start, sorted and with adjacent ranges merged.
+
+        Every layout is affine in the page (see :mod:`hicache_kernels.layouts`), so page ``p``'s ranges are
+        these shifted by ``p * page_stride``; computed once from the layout geometry."""
+        pattern = getattr(self, "_pattern", None)
+        if pattern is None:
+            g = layouts.host_geometry(
+                self.layout,
+                mla=self.mla,
+                num_layers=self.num_layers,
+                num_slots=self.size,
+                page_size=self.page_size,
+                head_num=self.head_num,
+                head_dim=self.head_dim,
+                elem_bytes=self.dtype.itemsize,
+            )
+            kv = np.arange(g.num_kv, dtype=np.int64)[:, None, None, None] * g.s_kv
+            layer = np.arange(g.num_layers, dtype=np.int64)[None, :, None, None] * g.s_layer
+            n = np.arange(self.page_size, dtype=np.int64)  # slots of page 0 in the layout's addressing
+            slot = ((n // g.page_size) * g.s_page + (n % g.page_size) * g.s_in_page)[None, None, :, None]
+            chunk = np.arange(g.num_chunks, dtype=np.int64)[None, None, None, :] * g.s_chunk
+            starts = np.sort((kv + layer + slot + chunk).reshape(-1))
+            merged: list[list[int]] = []
+            for start in starts.tolist():
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1][1] += g.chunk_bytes
+                else:
+                    merged.append([start, g.chunk_bytes])
+            pattern = tuple((a, b) for a, b in merged)
+            # Page p starts where slot p * page_size does: the layout's page stride per pool page.
+            self._page_stride = (self.page_size // g.page_size) * g.s_page
+            self._pattern = pattern
+        return pattern
+
+    def page_ranges(self, slots: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """The memory of each page of ``slots`` as ``(address, nbytes)`` ranges inside ``buffer``.
+
+        This is a page *object* as the storage tier reads and writes it in place: its ranges in address
+        order, adjacent ones merged, ``page_bytes`` in all. How many ranges a page has follows the layout:
+        ``page_first``, ``page_first_direct`` and ``page_head`` have one contiguous range per K/V (two for
+        MHA, one for MLA), ``layer_first`` one per K/V and layer.
+
+        Parameters
+        ----------
+        slots : int tensor of whole pages, each page's ``page_size`` slots consecutive and in order
+            starting at a multiple of ``page_size`` (as :meth:`alloc` returns them); any slot state.
+
+        Returns
+        -------
+        One list of ranges per page, in the order of ``slots``. The addresses stay valid while the pool
+        lives (``buffer`` is never reallocated). ``ValueError`` when ``slots`` are not whole aligned
+        pages inside the pool; ``TypeError`` when not a 1-D integer tensor.
+        """
+        if not isinstance(slots, torch.Tensor):
+            raise TypeError(f"page_ranges: slots: expected a torch.Tensor, got {type(slots).__name__}")
+        if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex() or slots.dim() != 1:
+            raise TypeError(
+                f"page_ranges: slots: expected a 1-D integer tensor, got {slots.dtype} of shape {tuple(slots.shape)}"
+            )
+        s = slots.detach().cpu().numpy().astype(np.int64, copy=False)
+        ps = self.page_size
+        if s.size % ps:
+            raise ValueError(f"page_ranges: {s.size} slots are not whole pages of {ps} slots")
+        if s.size and (s.min() < 0 or s.max() >= self.size):
+            raise ValueError(f"page_ranges: slot(s) out of range [0, {self.size})")
+        rows = s.reshape(-1, ps)
+        first = rows[:, :1]
+        bad = np.flatnonzero((first[:, 0] % ps != 0) | np.any(rows != first + np.arange(ps), axis=1))
+        if bad.size:
+            raise ValueError(
+                f"page_ranges: page(s) at position {_fmt_slots(bad)} are not page-aligned runs of {ps} consecutive "
+                f"slots (page p is slots [p*{ps}, (p+1)*{ps}))"
+            )
+        pattern = self._page_pattern()
+        base = self.buffer.data_ptr()
+        stride = self._page_stride
+        return [[(base + p * stride + off, n) for off, n in pattern] for p in (first[:, 0] // ps).tolist()]
+
     def state(self, slots: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 tensor of the :class:`SlotState` of each of ``slots`` (default: every slot); a copy."""
         return self._slots.states("state", slots)
