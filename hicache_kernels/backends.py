@@ -13,8 +13,8 @@
              ``warps_per_block`` warps; default 4 x 32, so at most 4 SMs).
 ``triton``   the same gather/scatter in Triton (zero copy as well); on CPU tensors under
              ``TRITON_INTERPRET=1``.
-``auto``     per call, ``kernel`` for fragments below a tunable size and copy engines above it
-             (:class:`AutoBackend`; thresholds persist in a JSON file).
+``auto``     per call, the design a benchmark measured fastest for the direction and fragment size
+             (:class:`AutoBackend`; its decision table persists in a JSON file).
 ===========  =====================================================================================
 
 All run on ``plan.stream`` or the current CUDA stream of the device pool's device, with that device
@@ -413,61 +413,174 @@ def _default_auto_path() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "hicache_kernels" / "auto.json"
 
 
+AUTO_DESIGNS = ("kernel", "kernel-bulk", "staged", "batch", "direct")
+"""The designs ``auto`` chooses between, as its decision table and ``last_choice`` name them:
+``kernel-bulk`` is ``kernel`` with ``design="bulk"``."""
+_AUTO_DIRECTIONS = ("d2h", "h2d")
+
+
+def fragment_bucket(fragment_bytes: int) -> int:
+    """The decision table's bucket of a fragment size: the largest power of two not above it."""
+    return 1 << (max(1, int(fragment_bytes)).bit_length() - 1)
+
+
 class AutoBackend(IOBackend):
-    """Chooses per call between ``kernel`` and the copy engines by estimated fragment size.
+    """Chooses per call, by direction and estimated fragment size, the design a benchmark measured fastest.
 
     A fragment is a run of consecutive slots; callers allocate whole pages, so its size is estimated
     without looking at the indices (which may sit on the GPU) as ``item_bytes * page_size``
-    (``chunk_bytes * page_size`` for ``page_head``). Fragments below ``kernel_max_fragment_bytes`` go
-    to ``kernel`` (per-copy issue cost dominates copy engines there), larger ones to ``batch`` (on a
-    non-default stream) or ``direct``. Thresholds load from ``HICACHE_AUTO_CONFIG`` or
-    ``~/.config/hicache_kernels/auto.json`` and :meth:`save` writes them, so a benchmark can re-tune.
+    (``chunk_bytes * page_size`` for ``page_head``), then bucketed to a power of two
+    (:func:`fragment_bucket`). The decision table (``table``, written by ``bench --tune-auto``) holds,
+    per direction (``d2h``/``h2d``) and measured bucket, the designs of :data:`AUTO_DESIGNS` ranked
+    fastest first, measured with the kernels on ``sm_budget`` blocks, which is what auto's kernels
+    use. A call takes the nearest measured bucket of its direction (by ratio; a tie goes to the
+    smaller) and the first design in its ranking that can run the plan: available
+    (``unavailable(plan)`` None), ``kernel-bulk`` only where bulk copies are supported (sm_90+,
+    16-byte alignment), ``batch`` not on the legacy default stream; ``direct`` when none can. A
+    direction the table does not hold uses the single-threshold rule: ``kernel`` below
+    ``kernel_max_fragment_bytes``, else ``batch`` (on a non-default stream) or ``direct``.
+    CPU tensors always go to ``direct``. ``last_choice`` names the design the last prepared call
+    uses and ``last_reason`` says why.
+
+    Settings load from ``HICACHE_AUTO_CONFIG`` or ``~/.config/hicache_kernels/auto.json`` (a JSON
+    object: ``kernel_max_fragment_bytes``, and optionally ``sm_budget`` and ``table``, e.g.
+    ``{"d2h": {"4096": ["kernel-bulk", "kernel", "batch", "direct", "staged"]}}``; a file with only
+    ``kernel_max_fragment_bytes``, the format before the table, still loads) and :meth:`save` writes
+    them, so a benchmark can re-tune. ``thresholds=`` takes the same object.
     """
 
     name = "auto"
     DEFAULTS = {"kernel_max_fragment_bytes": 256 * 1024}
+    DEFAULT_SM_BUDGET = 4  # KernelBackend's default num_blocks
+    KEYS = ("kernel_max_fragment_bytes", "sm_budget", "table")
 
-    def __init__(self, thresholds: dict[str, int] | None = None, path: Path | None = None) -> None:
+    def __init__(self, thresholds: dict[str, Any] | None = None, path: Path | None = None) -> None:
         self.path = path or _default_auto_path()
         self.thresholds = dict(self.DEFAULTS)
+        config: dict[str, Any] = {}
+        where = "thresholds"
         if thresholds is None and self.path.exists():
-            loaded = json.loads(self.path.read_text())
-            unknown = set(loaded) - set(self.DEFAULTS)
+            config, where = json.loads(self.path.read_text()), str(self.path)
+            if not isinstance(config, dict):
+                raise ValueError(f"{self.path}: expected a JSON object, got {type(config).__name__}")
+            unknown = set(config) - set(self.KEYS)
             if unknown:
                 raise ValueError(f"{self.path}: unknown auto thresholds {sorted(unknown)}")
-            self.thresholds.update({k: int(v) for k, v in loaded.items()})
         elif thresholds is not None:
-            unknown = set(thresholds) - set(self.DEFAULTS)
+            config = thresholds
+            unknown = set(config) - set(self.KEYS)
             if unknown:
-                raise ValueError(f"thresholds: unknown keys {sorted(unknown)}; expected {sorted(self.DEFAULTS)}")
-            self.thresholds.update(thresholds)
-        self.kernel = KernelBackend()
+                raise ValueError(f"thresholds: unknown keys {sorted(unknown)}; expected {sorted(self.KEYS)}")
+        if "kernel_max_fragment_bytes" in config:
+            self.thresholds["kernel_max_fragment_bytes"] = int(config["kernel_max_fragment_bytes"])
+        self.sm_budget = int(config.get("sm_budget", self.DEFAULT_SM_BUDGET))
+        if self.sm_budget < 1:
+            raise ValueError(f"{where}: sm_budget: expected an int >= 1, got {self.sm_budget}")
+        self.table = self._parse_table(config.get("table", {}), where)
+        self.kernel = KernelBackend(num_blocks=self.sm_budget)
+        self.kernel_bulk = KernelBackend(num_blocks=self.sm_budget, design="bulk")
+        self.staged = _staged_backend()
         self.batch = BatchBackend()
         self.direct = DirectBackend()
         self.last_choice: str | None = None
+        self.last_reason: str | None = None
+
+    @staticmethod
+    def _parse_table(table: Any, where: str) -> dict[str, dict[int, tuple[str, ...]]]:
+        """``table`` checked: directions, power-of-two buckets (JSON keys are strings), rankings of
+        distinct known designs. ValueError naming ``where`` and the bad entry."""
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: table: expected an object of directions, got {type(table).__name__}")
+        parsed: dict[str, dict[int, tuple[str, ...]]] = {}
+        for direction, rows in table.items():
+            if direction not in _AUTO_DIRECTIONS or not isinstance(rows, dict):
+                raise ValueError(f"{where}: table: expected d2h/h2d mapping buckets to rankings, got {direction!r}")
+            for bucket, ranking in rows.items():
+                size = int(bucket) if isinstance(bucket, int) or str(bucket).isdigit() else 0
+                if size < 1 or size & (size - 1):
+                    raise ValueError(f"{where}: table[{direction}]: bucket {bucket!r} is not a power of two")
+                if (not isinstance(ranking, list | tuple) or not ranking or len(set(ranking)) != len(ranking)
+                        or set(ranking) - set(AUTO_DESIGNS)):  # fmt: skip
+                    raise ValueError(f"{where}: table[{direction}][{bucket}]: expected distinct designs of "
+                                     f"{', '.join(AUTO_DESIGNS)}, got {ranking!r}")  # fmt: skip
+                parsed.setdefault(direction, {})[size] = tuple(ranking)
+        return parsed
+
+    def settings(self) -> dict[str, Any]:
+        """What :meth:`save` writes: the threshold alone when there is no table (the old format)."""
+        out: dict[str, Any] = dict(self.thresholds)
+        if self.table or self.sm_budget != self.DEFAULT_SM_BUDGET:
+            out["sm_budget"] = self.sm_budget
+        if self.table:
+            out["table"] = {d: {str(b): list(r) for b, r in sorted(rows.items())} for d, rows in self.table.items()}
+        return out
 
     def save(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.thresholds, indent=2) + "\n")
+        self.path.write_text(json.dumps(self.settings(), indent=2) + "\n")
         return self.path
 
-    def choose(self, plan: TransferPlan) -> IOBackend:
+    def _ranking(self, direction: str, fragment: int) -> tuple[int, tuple[str, ...]] | None:
+        """(measured bucket, ranking) nearest ``fragment`` in ``direction``'s table, or None."""
+        rows = self.table.get(direction)
+        if not rows:
+            return None
+        want = fragment_bucket(fragment).bit_length()
+        best = min(rows, key=lambda b: (abs(b.bit_length() - want), b))
+        return best, rows[best]
+
+    def _design(self, name: str) -> IOBackend:
+        return {"kernel": self.kernel, "kernel-bulk": self.kernel_bulk, "staged": self.staged,
+                "batch": self.batch, "direct": self.direct}[name]  # fmt: skip
+
+    def _why_not(self, name: str, plan: TransferPlan) -> str | None:
+        """Why design ``name`` cannot run ``plan`` (CUDA tensors), or None."""
+        if name == "batch" and _stream(plan).cuda_stream in _LEGACY_STREAM_HANDLES:
+            return "the legacy default stream is refused by cudaMemcpyBatchAsync"
+        reason = self._design(name).unavailable(plan)
+        if reason is None and name == "kernel-bulk":
+            g = plan.route.launch_state.get("gpu")  # the launch's alignment (host aliases included) once built
+            align = g.align if g is not None else plan.route.alignment()
+            reason = KernelBackend.bulk_unsupported(align, plan.route.device)
+        return reason
+
+    def decide(self, plan: TransferPlan) -> tuple[str, str]:
+        """``(design, why)`` for ``plan``: see the class docstring."""
         if not plan.route.on_cuda:
-            return self.direct
+            return "direct", "CPU tensors"
         fragment = plan.chunk_bytes * plan.route.page_size
-        if fragment < self.thresholds["kernel_max_fragment_bytes"] and self.kernel.unavailable(plan) is None:
-            return self.kernel
-        if _stream(plan).cuda_stream not in _LEGACY_STREAM_HANDLES and self.batch.unavailable(plan) is None:
-            return self.batch
-        return self.direct
+        found = self._ranking(plan.direction, fragment)
+        if found is None:
+            limit = self.thresholds["kernel_max_fragment_bytes"]
+            rule = f"no {plan.direction} table: threshold rule, {fragment} B fragments vs {limit} B"
+            ranking: tuple[str, ...] = ("kernel", "batch", "direct") if fragment < limit else ("batch", "direct")
+        else:
+            bucket, ranking = found
+            rule = f"{plan.direction} table, bucket {bucket} B (nearest to {fragment} B fragments)"
+        skipped = []
+        for name in (*ranking, "direct") if "direct" not in ranking else ranking:
+            why = None if name == "direct" else self._why_not(name, plan)
+            if why is None:
+                return name, rule + "".join(f"; {s}" for s in skipped)
+            skipped.append(f"{name} skipped: {why}")
+        raise AssertionError("unreachable: direct always runs")
+
+    def choose(self, plan: TransferPlan) -> IOBackend:
+        return self._design(self.decide(plan)[0])
 
     def wants_host_indices(self, plan: TransferPlan) -> bool:
         return self.choose(plan).wants_host_indices(plan)
 
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
-        backend = self.choose(plan)
-        self.last_choice = backend.name
-        return backend.prepare(plan)
+        name, why = self.decide(plan)
+        self.kernel_bulk.last_design = None  # set by a launch only (an empty copy launches nothing)
+        copy = self._design(name).prepare(plan)
+        if name == "kernel-bulk" and self.kernel_bulk.last_design == "register":
+            # The launch's alignment (host aliases included) turned out below 16 bytes: the register kernel runs.
+            why += "; kernel-bulk ran the register kernel: the route's host aliases are not 16-byte aligned"
+            name = "kernel"
+        self.last_choice, self.last_reason = name, why
+        return copy
 
 
 def _staged_backend(**options: Any) -> IOBackend:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -184,6 +185,144 @@ def test_auto_choice(monkeypatch, page_size, threshold, handle, expected):
     plan, _ = plan_for(layout="page_first_direct", page_size=page_size, device=CUDA0)
     auto = AutoBackend(thresholds={"kernel_max_fragment_bytes": threshold})
     assert auto.choose(plan).name == expected
+
+
+# The plans below (plan_for, page_first_direct) move 32-byte items: fragments of 32 B at page size 1,
+# 128 B at 4 and 512 B at 16.
+TABLE = {
+    "d2h": {"32": ["kernel", "batch", "direct"], "512": ["kernel-bulk", "staged", "batch", "direct"]},
+    "h2d": {"128": ["staged", "kernel", "direct"]},
+}
+
+
+def tabled_auto(tmp_path, table=TABLE, **settings):
+    return AutoBackend(thresholds={"kernel_max_fragment_bytes": 64, "table": table, **settings},
+                       path=tmp_path / "auto.json")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("direction", "page_size", "capability", "expected", "why"),
+    [
+        ("d2h", 1, (9, 0), "kernel", "d2h table, bucket 32 B (nearest to 32 B fragments)"),
+        ("d2h", 16, (9, 0), "kernel-bulk", "d2h table, bucket 512 B"),
+        ("d2h", 16, (8, 0), "staged", "kernel-bulk skipped: the GPU is sm_80"),  # bulk needs sm_90: next in rank
+        ("d2h", 4, (9, 0), "kernel", "bucket 32 B (nearest to 128 B"),  # 32 and 512 B equally far: the smaller
+        ("h2d", 1, (9, 0), "staged", "h2d table, bucket 128 B (nearest to 32 B"),  # the only h2d bucket
+        ("h2d", 16, (9, 0), "staged", "h2d table, bucket 128 B"),
+    ],
+)
+def test_auto_consults_the_table_per_direction_and_bucket(monkeypatch, tmp_path, direction, page_size, capability,
+                                                          expected, why):  # fmt: skip
+    pretend_cuda(monkeypatch)
+    monkeypatch.setattr(backends, "_compute_capability", lambda device: capability)
+    plan, _ = plan_for(layout="page_first_direct", page_size=page_size, direction=direction, device=CUDA0)
+    name, reason = tabled_auto(tmp_path).decide(plan)
+    assert (name, tabled_auto(tmp_path).choose(plan).name) == (expected, expected.removesuffix("-bulk"))
+    assert why in reason
+
+
+def test_auto_falls_back_along_the_ranking(monkeypatch, tmp_path):
+    """An unpinned host pool: no kernel design and no staged; the legacy stream: no batch either."""
+    pretend_cuda(monkeypatch, handle=7)
+    plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
+    plan = dataclasses.replace(plan, route=dataclasses.replace(plan.route, gpu_addressable=False))
+    name, why = tabled_auto(tmp_path).decide(plan)
+    assert name == "batch"
+    assert "kernel-bulk skipped: host: reads and writes host memory directly" in why
+    assert "staged skipped: host:" in why
+    pretend_cuda(monkeypatch, handle=0)
+    name, why = tabled_auto(tmp_path).decide(plan)
+    assert name == "direct" and "batch skipped: the legacy default stream" in why
+    # A ranking without direct still ends there: direct always runs.
+    name, why = tabled_auto(tmp_path, table={"d2h": {"512": ["kernel", "batch"]}}).decide(plan)
+    assert name == "direct" and "kernel skipped" in why and "batch skipped" in why
+
+
+def test_auto_uses_the_threshold_for_a_direction_the_table_lacks(monkeypatch, tmp_path):
+    pretend_cuda(monkeypatch)
+    auto = tabled_auto(tmp_path, table={"h2d": TABLE["h2d"]})
+    small, _ = plan_for(layout="page_first_direct", page_size=1, device=CUDA0)  # d2h, 32 B < 64 B
+    large, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
+    assert auto.decide(small) == ("kernel", "no d2h table: threshold rule, 32 B fragments vs 64 B")
+    assert auto.decide(large)[0] == "batch"
+
+
+def test_auto_runs_and_records_the_bulk_kernel(monkeypatch, tmp_path):
+    pretend_cuda(monkeypatch)
+    ext = RecordingExt()
+    use_ext(monkeypatch, ext)
+    monkeypatch.setattr(backends, "_compute_capability", lambda device: (9, 0))
+    plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
+    auto = tabled_auto(tmp_path, sm_budget=2)
+    auto.run(plan)
+    (name, args), = [c for c in ext.calls if c[0].startswith("transfer")]  # fmt: skip
+    assert name == "transfer_bulk" and args[13] == 2  # num_blocks: the table's SM budget
+    assert auto.last_choice == "kernel-bulk" and auto.last_reason.startswith("d2h table, bucket 512 B")
+    small, _ = plan_for(layout="page_first_direct", page_size=1, device=CUDA0)
+    auto.run(small)
+    assert ext.calls[-1][0] == "transfer" and auto.last_choice == "kernel"
+
+
+class MisalignedAliases(RecordingExt):
+    """Host aliases 8 bytes off the host addresses: the launch's alignment falls below 16 bytes."""
+
+    def __getattr__(self, name):
+        record = super().__getattr__(name)
+        if name == "host_device_pointer":
+            return lambda address: record(address) - 4096 + 8
+        return record
+
+
+def test_auto_says_when_bulk_ran_the_register_kernel(monkeypatch, tmp_path):
+    pretend_cuda(monkeypatch)
+    ext = MisalignedAliases()
+    use_ext(monkeypatch, ext)
+    monkeypatch.setattr(backends, "_compute_capability", lambda device: (9, 0))
+    plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
+    auto = tabled_auto(tmp_path)
+    auto.run(plan)  # the host pool's addresses are 16-byte aligned, so the table's kernel-bulk is picked
+    assert ext.calls[-1][0] == "transfer" and auto.last_choice == "kernel"
+    assert "kernel-bulk ran the register kernel" in auto.last_reason
+    name, why = auto.decide(plan)  # the route's launch alignment is known now: the next in the ranking
+    assert name == "staged" and "kernel-bulk skipped: addresses, strides and chunks are 8-byte aligned" in why
+
+
+def test_auto_table_round_trip_and_the_old_format(tmp_path):
+    path = tmp_path / "auto.json"
+    auto = AutoBackend(thresholds={"kernel_max_fragment_bytes": 4096, "sm_budget": 8, "table": TABLE}, path=path)
+    auto.save()
+    saved = json.loads(path.read_text())
+    assert saved == {"kernel_max_fragment_bytes": 4096, "sm_budget": 8, "table": TABLE}
+    loaded = AutoBackend(path=path)
+    assert (loaded.thresholds, loaded.sm_budget, loaded.settings()) == ({"kernel_max_fragment_bytes": 4096}, 8, saved)
+    assert loaded.table["d2h"][512] == ("kernel-bulk", "staged", "batch", "direct")
+    assert (loaded.kernel.num_blocks, loaded.kernel_bulk.num_blocks, loaded.kernel_bulk.design) == (8, 8, "bulk")
+    path.write_text(json.dumps({"kernel_max_fragment_bytes": 123}))  # the format before the table
+    old = AutoBackend(path=path)
+    assert (old.thresholds, old.table, old.sm_budget) == ({"kernel_max_fragment_bytes": 123}, {}, 4)
+    old.save()
+    assert json.loads(path.read_text()) == {"kernel_max_fragment_bytes": 123}  # written back as it was
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"up": {}}, "table: expected d2h/h2d mapping buckets to rankings, got 'up'"),
+        ({"d2h": {"48": ["kernel"]}}, r"table\[d2h\]: bucket '48' is not a power of two"),
+        ({"d2h": {"64": ["kernel", "tma"]}}, r"table\[d2h\]\[64\]: expected distinct designs"),
+        ({"h2d": {"64": ["kernel", "kernel"]}}, r"table\[h2d\]\[64\]: expected distinct designs"),
+        ({"h2d": {"64": []}}, r"table\[h2d\]\[64\]: expected distinct designs"),
+        ({"h2d": {"big": ["kernel"]}}, r"table\[h2d\]: bucket 'big' is not a power of two"),
+        (["kernel"], "table: expected an object of directions"),
+    ],
+)
+def test_auto_rejects_a_bad_table(tmp_path, table, message):
+    with pytest.raises(ValueError, match=f"thresholds: {message}"):
+        AutoBackend(thresholds={"table": table})
+    bad = tmp_path / "auto.json"
+    bad.write_text(json.dumps({"table": table}))
+    with pytest.raises(ValueError, match=f"{re.escape(str(bad))}: {message}"):
+        AutoBackend(path=bad)
 
 
 def test_batch_issues_one_call_with_all_pieces(monkeypatch):

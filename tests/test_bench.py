@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -136,7 +137,12 @@ CUSTOM = ["--preset", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim"
         (["--warmup", "-1"], "--warmup: expected an integer >= 0, got -1"),
         (["--sm-budget", "0"], "--sm-budget: expected an integer >= 1, got 0"),
         (["--sm-sweep", "1,0"], "--sm-sweep: expected integers >= 1, got 0"),
-        (["--tune-auto", "--backends", "kernel,triton"], "--tune-auto: compares the kernel with a copy engine"),
+        (["--tune-auto", "--backends", "kernel,triton"], "--tune-auto: ranks auto's designs against each other"),
+        (
+            ["--tune-auto", "--backends", "staged,auto"],
+            "--tune-auto: ranks auto's designs against each other: "
+            "--backends needs two or more of kernel, kernel-bulk, staged, batch, direct, got staged,auto",
+        ),  # fmt: skip
         (["--num-pages", str(10**12)], "--num-pages: up to 128,000,000,000,000 tokens a point"),
         (["--calls", "5"], "--calls: counts --host-overhead's calls; it needs --host-overhead"),
         (["--host-overhead", "--calls", "0"], "--calls: expected an integer >= 1, got 0"),
@@ -262,20 +268,107 @@ def tune_points(rows):
     ]  # fmt: skip
 
 
+def threshold(pts, sm_budget=4):
+    return bench.tune_auto(pts, sm_budget)["kernel_max_fragment_bytes"]
+
+
 def test_tune_auto_finds_the_crossover():
     pts = tune_points([(1, {"kernel": 1.0, "direct": 9.0}), (16, {"kernel": 1.0, "batch": 1.5}),
                        (64, {"kernel": 2.0, "batch": 1.8}), (128, {"kernel": 3.0, "direct": 2.5})])  # fmt: skip
-    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 64 * 1024}
+    assert threshold(pts) == 64 * 1024
 
 
 def test_tune_auto_when_the_kernel_always_wins_or_data_is_missing():
     pts = tune_points([(1, {"kernel": 1.0, "direct": 9.0}), (128, {"kernel": 1.0, "direct": 2.0})])
-    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 128 * 1024 + 1}
+    assert threshold(pts) == 128 * 1024 + 1
     # A copy-engine win below a kernel win does not move the threshold down.
     pts = tune_points([(1, {"kernel": 2.0, "direct": 1.0}), (128, {"kernel": 1.0, "direct": 2.0})])
-    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 128 * 1024 + 1}
-    with pytest.raises(ValueError, match="points"):
+    assert threshold(pts) == 128 * 1024 + 1
+    with pytest.raises(ValueError, match="points: no fragment size has two of kernel, kernel-bulk"):
         bench.tune_auto(tune_points([(1, {"kernel": 1.0})]), 4)
+    # No kernel measured against a copy engine: the default threshold, beside the table.
+    tuned = bench.tune_auto(tune_points([(1, {"staged": 1.0, "direct": 2.0})]), 4)
+    assert tuned["kernel_max_fragment_bytes"] == AutoBackend.DEFAULTS["kernel_max_fragment_bytes"]
+
+
+def design_points(rows, sm_budget=4):
+    """Transfer points of every auto design: ``rows`` of (op, page size, {backend: ms}), 1 KiB items."""
+    return [
+        {"kind": "transfer", "model": "m", "op": op, "direction": bench.DIRECTIONS[op][0], "layout": "x",
+         "page_size": page, "item_bytes": 1024, "num_pages": 8, "backend": b, "median_ms": ms,
+         "sm_budget": sm_budget if b in ("kernel", "kernel-bulk", "auto") else None}
+        for op, page, times in rows
+        for b, ms in times.items()
+    ]  # fmt: skip
+
+
+EVERY = {"kernel": 5.0, "kernel-bulk": 5.0, "staged": 5.0, "batch": 5.0, "direct": 5.0}
+
+
+def test_tune_auto_ranks_every_design_per_direction_and_bucket(tmp_path):
+    pts = design_points([
+        ("backup_all", 1, {**EVERY, "kernel": 1.0, "kernel-bulk": 2.0, "direct": 9.0}),  # 1 KiB
+        ("backup_all", 16, {**EVERY, "kernel-bulk": 1.0, "kernel": 3.0, "staged": 4.0}),  # 16 KiB
+        ("backup_all", 64, {**EVERY, "staged": 1.0, "batch": 2.0}),  # 64 KiB
+        ("load_all", 1, {**EVERY, "batch": 1.0}),
+        ("load_layer", 128, {**EVERY, "direct": 1.0, "auto": 0.5, "triton": 0.1}),  # not designs of auto's
+    ])  # fmt: skip
+    pts += design_points([("backup_all", 1, {"kernel": 0.1, "kernel-bulk": 0.1})], sm_budget=8)  # other budget
+    tuned = bench.tune_auto(pts, 4)
+    assert tuned["sm_budget"] == 4
+    assert tuned["table"] == {
+        "d2h": {"1024": ["kernel", "kernel-bulk", "staged", "batch", "direct"],
+                "16384": ["kernel-bulk", "kernel", "staged", "batch", "direct"],
+                "65536": ["staged", "batch", "kernel", "kernel-bulk", "direct"]},
+        "h2d": {"1024": ["batch", "kernel", "kernel-bulk", "staged", "direct"],
+                "131072": ["direct", "kernel", "kernel-bulk", "staged", "batch"]},
+    }  # fmt: skip
+    # What --tune-auto saves, read back, decides the same.
+    path = AutoBackend(thresholds=tuned, path=tmp_path / "auto.json").save()
+    loaded = AutoBackend(path=path)
+    assert loaded.settings() == tuned and loaded.table["d2h"][16384][0] == "kernel-bulk"
+
+
+def test_tune_auto_scores_a_bucket_over_its_transfers():
+    """Two transfers in one bucket (page 16 and 31: both 16 KiB buckets): the geometric mean of each
+    design's time over the fastest decides, not one transfer's winner."""
+    pts = design_points([("backup_all", 16, {"kernel": 1.0, "batch": 1.5}),
+                         ("backup_all", 31, {"kernel": 4.0, "batch": 1.0})])  # fmt: skip
+    assert bench.tune_auto(pts, 4)["table"] == {"d2h": {"16384": ["batch", "kernel"]}}
+
+
+def test_tune_auto_leaves_out_bulk_points_that_ran_the_register_kernel():
+    pts = design_points([("backup_all", 16, {"kernel": 2.0, "kernel-bulk": 1.0, "direct": 3.0})])
+    for p in pts:
+        if p["backend"] == "kernel-bulk":
+            p["kernel_design"] = "register"  # bulk copies unsupported on that GPU
+    assert bench.tune_auto(pts, 4)["table"] == {"d2h": {"16384": ["kernel", "direct"]}}
+
+
+@pytest.mark.parametrize("backends", ["kernel-bulk,staged", "kernel,direct", "staged,batch,triton"])
+def test_tune_auto_accepts_runs_with_two_designs(backends):
+    assert bench.parse_args(["--tune-auto", "--backends", backends]).tune_auto == ""
+
+
+def test_tune_auto_checks_the_designs_auto_ranks():
+    from hicache_kernels.backends import AUTO_DESIGNS
+    from hicache_kernels.bench import args as bench_args
+
+    assert bench_args.TUNED_DESIGNS == AUTO_DESIGNS
+
+
+def test_auto_points_run_both_kernel_designs_on_the_points_budget():
+    spec = next(s for s in custom_specs("auto") if s.sm_budget is not None)
+    spec = dataclasses.replace(spec, sm_budget=2)
+    auto = bench_sweep._backend_object(spec)
+    assert (auto.kernel.num_blocks, auto.kernel_bulk.num_blocks, auto.kernel_bulk.design) == (2, 2, "bulk")
+
+
+def test_full_sweep_covers_sm_budgets_1_to_8_for_both_kernel_designs():
+    specs = bench.plan_sweep(bench.parse_args([]))
+    for kernel in ("kernel", "kernel-bulk"):
+        for op in bench.DIRECTIONS:
+            assert {1, 2, 4, 8} <= {p.sm_budget for p in specs if p.backend == kernel and p.direction == op}
 
 
 def test_validate_bench_json_reports_problems():
@@ -652,8 +745,8 @@ class AutoPicksBatch(AutoBackend):
         super().__init__(thresholds={})
         self.batch = FirstRunFallsBack()
 
-    def choose(self, plan):
-        return self.batch
+    def decide(self, plan):
+        return "batch", "the test says so"
 
 
 @pytest.mark.parametrize(("backend", "make"), [("batch", FirstRunFallsBack), ("auto", AutoPicksBatch)])
@@ -692,7 +785,7 @@ def test_tune_auto_keeps_page_counts_apart():
         for n, b, ms in ((8, "kernel", 1.0), (8, "batch", 2.0), (512, "kernel", 3.0), (512, "batch", 2.0))
     ]  # fmt: skip
     # The kernel wins at 8 pages: copy engines do not win at every measurement of 16 KiB fragments.
-    assert bench.tune_auto(pts, 4) == {"kernel_max_fragment_bytes": 16 * 1024 + 1}
+    assert threshold(pts) == 16 * 1024 + 1
 
 
 # ---------------------------------------------------------------------------------------------- --targets-core

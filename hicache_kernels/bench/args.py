@@ -10,7 +10,6 @@ from .. import layouts, targets
 from ..benchutil import OneLineParser, counts, names, plot_unavailable
 from .config import (
     BACKENDS,
-    COPY_ENGINE_BACKENDS,
     CORE_ESTIMATE_S,
     CORE_LAYOUTS,
     CORE_PAGE_SIZES,
@@ -25,6 +24,9 @@ from .config import (
 )
 from .memory import check_memory
 from .planning import plan_sweep
+
+# The designs --tune-auto ranks (auto's, hicache_kernels.backends.AUTO_DESIGNS, which imports the extension's loader).
+TUNED_DESIGNS = ("kernel", "kernel-bulk", "staged", "batch", "direct")
 
 # The options of the transfer sweep, which --host-overhead (fixed pools, single calls) does not read.
 SWEEP_ONLY = ("preset", "layers", "kv_heads", "head_dim", "dtype", "mla", "page_sizes", "tokens", "num_pages",
@@ -85,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         nargs="?",
         const="",
-        help="derive auto's threshold from this run and save it (default path: AutoBackend's)",
+        help="rank auto's designs per direction and fragment size from this run (kernels at --sm-budget) and "
+        "save the table (default path: AutoBackend's)",
     )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -150,9 +153,10 @@ def check_args(args: argparse.Namespace) -> list[PointSpec]:
             raise ValueError(f"{flag}: {over[0]} SMs, but this GPU has {sms}")
     specs = plan_sweep(args)
     backends = names("--backends", args.backends, BACKENDS)
-    if args.tune_auto is not None and ("kernel" not in backends or not set(COPY_ENGINE_BACKENDS) & set(backends)):
-        raise ValueError(f"--tune-auto: compares the kernel with a copy engine: --backends needs kernel and direct "
-                         f"or batch, got {','.join(backends)}")  # fmt: skip
+    ranked = [b for b in backends if b in TUNED_DESIGNS]
+    if args.tune_auto is not None and len(ranked) < 2:
+        raise ValueError(f"--tune-auto: ranks auto's designs against each other: --backends needs two or more of "
+                         f"{', '.join(TUNED_DESIGNS)}, got {','.join(backends)}")  # fmt: skip
     if args.plot and sms is not None and plot_unavailable() is not None:
         raise ValueError(f"--plot: {plot_unavailable()}")
     check_memory(args, specs)

@@ -14,6 +14,7 @@ from .config import (
     COPY_ENGINE_BACKENDS,
     DIRECTIONS,
     DTYPES,
+    KERNEL_BACKENDS,
     KERNEL_BULK,
     LINK_TOLERANCE,
     UNBUDGETED_BACKENDS,
@@ -83,9 +84,10 @@ def _backend_object(spec: PointSpec):
         return KernelBackend(num_blocks=spec.sm_budget)
     if spec.backend == KERNEL_BULK:
         return KernelBackend(num_blocks=spec.sm_budget, design="bulk")
-    if spec.backend == "auto":
+    if spec.backend == "auto":  # its settings (decision table) from the user's file, its kernels on the point's SMs
         auto = AutoBackend()
         auto.kernel = KernelBackend(num_blocks=spec.sm_budget)
+        auto.kernel_bulk = KernelBackend(num_blocks=spec.sm_budget, design="bulk")
         return auto
     return get_backend(spec.backend)
 
@@ -299,27 +301,75 @@ def add_ratios(points: list[dict[str, Any]]) -> None:
             p[f"kernel_over_{other}"] = q["median_ms"] / p["median_ms"] if q and p["median_ms"] > 0 else None
 
 
-def tune_auto(points: list[dict[str, Any]], sm_budget: int) -> dict[str, int]:
-    """``auto``'s threshold from measured points: the smallest fragment size (item x page bytes) from
-    which a copy-engine backend beats the kernel at every larger measured size, in every op and
-    layout. If the kernel wins everywhere, one byte past the largest fragment measured."""
-    by_frag: dict[int, list[bool]] = {}
+def _tuning_groups(points: list[dict[str, Any]], sm_budget: int) -> dict[tuple, dict[str, float]]:
+    """Median ms per design of auto's, per measured transfer (model, op, layout, page size, item size,
+    pages): the kernel designs only at ``sm_budget``, and ``kernel-bulk`` only where bulk copies ran
+    (``kernel_design``; on other GPUs it measured the register kernel)."""
+    from ..backends import AUTO_DESIGNS
+
     groups: dict[tuple, dict[str, float]] = {}
     for p in points:
-        if p.get("kind") != "transfer" or (p["backend"] == "kernel" and p["sm_budget"] != sm_budget):
+        b = p.get("backend")
+        if p.get("kind") != "transfer" or b not in AUTO_DESIGNS:
+            continue
+        if b in KERNEL_BACKENDS and p["sm_budget"] != sm_budget:
+            continue
+        if b == KERNEL_BULK and p.get("kernel_design", "bulk") != "bulk":
             continue
         key = (p["model"], p["op"], p["layout"], p["page_size"], p["item_bytes"], p.get("num_pages"))
-        groups.setdefault(key, {})[p["backend"]] = p["median_ms"]
+        groups.setdefault(key, {})[b] = p["median_ms"]
+    return groups
+
+
+def _threshold(groups: dict[tuple, dict[str, float]]) -> int:
+    """The single threshold (auto's rule for a direction without a table): the smallest fragment size
+    from which a copy engine beats the kernel at every larger measured size, in every op and layout;
+    one byte past the largest fragment measured if the kernel always wins; the default without data."""
+    by_frag: dict[int, list[bool]] = {}
     for (_, _, _, page, item, _), times in groups.items():
         ce = [times[b] for b in COPY_ENGINE_BACKENDS if b in times]
         if "kernel" in times and ce:
             by_frag.setdefault(item * page, []).append(min(ce) < times["kernel"])
     if not by_frag:
-        raise ValueError("points: no fragment size has both kernel and copy-engine measurements")
+        from ..backends import AutoBackend
+
+        return AutoBackend.DEFAULTS["kernel_max_fragment_bytes"]
     sizes = sorted(by_frag)
     threshold = sizes[-1] + 1
     for size in reversed(sizes):  # walk down while copy engines win at this size and all above it
         if not all(by_frag[size]):
             break
         threshold = size
-    return {"kernel_max_fragment_bytes": threshold}
+    return threshold
+
+
+def tune_auto(points: list[dict[str, Any]], sm_budget: int) -> dict[str, Any]:
+    """``auto``'s settings from measured points (what :class:`~hicache_kernels.backends.AutoBackend`
+    takes as ``thresholds=`` and saves): per direction and fragment-size bucket (item x page bytes
+    rounded down to a power of two), the designs of ``auto`` ranked fastest first, the kernel designs
+    measured with ``sm_budget`` blocks. A design's score in a bucket is the geometric mean, over the
+    transfers measured there (model, op, layout, page size, pages), of its time over the fastest
+    design's (1 where it won), taken over the transfers it was measured in; ties keep
+    :data:`~hicache_kernels.backends.AUTO_DESIGNS`' order. A bucket needs two designs measured in one
+    transfer. Also the single ``kernel_max_fragment_bytes`` threshold (kernel vs copy engines).
+    ValueError when no bucket has two designs measured."""
+    from ..backends import AUTO_DESIGNS as designs
+    from ..backends import fragment_bucket
+
+    groups = _tuning_groups(points, sm_budget)
+    slowdowns: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for (_, op, _, page, item, _), times in groups.items():
+        if len(times) < 2:
+            continue
+        best = min(times.values())
+        cell = slowdowns.setdefault((DIRECTIONS[op][0], fragment_bucket(item * page)), {})
+        for b, ms in times.items():
+            cell.setdefault(b, []).append(math.log(ms / best) if best > 0 else (0.0 if ms == best else math.inf))
+    if not slowdowns:
+        raise ValueError(f"points: no fragment size has two of {', '.join(designs)} measured in one transfer "
+                         f"(kernel designs at {sm_budget} SMs)")  # fmt: skip
+    table: dict[str, dict[str, list[str]]] = {}
+    for (direction, bucket), cell in sorted(slowdowns.items()):
+        ranking = sorted(cell, key=lambda b: (sum(cell[b]) / len(cell[b]), designs.index(b)))
+        table.setdefault(direction, {})[str(bucket)] = ranking
+    return {"kernel_max_fragment_bytes": _threshold(groups), "sm_budget": sm_budget, "table": table}
