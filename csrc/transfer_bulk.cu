@@ -60,9 +60,8 @@ void emulate_block(const BulkParams& p, int grid, int block, std::vector<BulkCop
   int64_t round = 0;
   for (int64_t batch = block; batch < p.num_batches; batch += grid, ++round) {
     const int slot = bulk_slot(round);
-    const int64_t first = batch * p.pieces_per_stage;
-    const int64_t count =
-        p.total_pieces - first < p.pieces_per_stage ? p.total_pieces - first : p.pieces_per_stage;
+    int64_t first = 0;
+    const int64_t count = bulk_batch_pieces(p, batch, &first);
     for (int k = 0; k < count; ++k) {
       int64_t src = 0;
       int64_t dst = 0;

@@ -75,6 +75,14 @@ __host__ __device__ __forceinline__ uint32_t bulk_parity(int64_t round) {
   return static_cast<uint32_t>((round / kBulkStages) & 1);
 }
 
+// The first piece of batch `batch` and how many pieces it holds (the last batch may be short).
+__host__ __device__ __forceinline__ int64_t bulk_batch_pieces(const BulkParams& p, int64_t batch,
+                                                              int64_t* first) {
+  *first = batch * p.pieces_per_stage;
+  const int64_t left = p.total_pieces - *first;
+  return left < p.pieces_per_stage ? left : p.pieces_per_stage;
+}
+
 // Resolve `piece`: false when its pair is out of range (then *counted is true for the first part
 // of the unit, so a unit is counted once); else its source and destination addresses and size.
 template <class SrcSide, class DstSide>
@@ -185,9 +193,8 @@ __global__ void __launch_bounds__(kBulkThreads)
     const uint32_t parity = bulk_parity(round);
     const uint32_t full_bar = smem_addr(&full[slot]);
     const uint32_t stage = ring_base + slot * kBulkStageBytes;
-    const int64_t first = batch * p.pieces_per_stage;
-    const int64_t count =
-        p.total_pieces - first < p.pieces_per_stage ? p.total_pieces - first : p.pieces_per_stage;
+    int64_t first = 0;
+    const int64_t count = bulk_batch_pieces(p, batch, &first);
     if (loader) {
       if (round >= kBulkStages) {
         mbar_wait(smem_addr(&empty[slot]), parity ^ 1);
