@@ -1,15 +1,20 @@
 // The only file that knows about Python. Arguments are plain integers (device pointers, sizes,
 // strides, stream handles), so this module never includes or links torch and one build serves any
 // torch version.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "build_facts.h"
 #include "copy_engine.h"
+#include "page_stack.h"
+#include "radix_tree.h"
 #include "runtime.h"
 #include "transfer.h"
 
@@ -208,6 +213,288 @@ std::uintptr_t host_device_pointer(std::uintptr_t host_ptr) {
   return reinterpret_cast<std::uintptr_t>(device);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The radix tree core (radix_tree.h): Python sequences of token ids in, numpy int64 arrays out.
+
+using Int64Array = py::array_t<int64_t, py::array::c_style>;
+
+// An exact int's value, read in place when it is a one-digit ("compact") int, as token ids are: the
+// per-token cost of converting a prompt. -1 with an exception set on overflow, as
+// PyLong_AsLongLong.
+inline long long compact_int(PyObject* item) {
+#if PY_VERSION_HEX >= 0x030C0000
+  if (PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(item))) {
+    return PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(item));
+  }
+#elif !defined(Py_LIMITED_API)
+  const Py_ssize_t size = Py_SIZE(item);
+  if (size >= -1 && size <= 1) {
+    return size * static_cast<long long>(reinterpret_cast<PyLongObject*>(item)->ob_digit[0]);
+  }
+#endif
+  return PyLong_AsLongLong(item);
+}
+
+// Token ids as int64: a list or tuple of ints (the usual call, converted in place), or a 1-D
+// integer numpy array. First n ids only (the caller cuts to whole pages).
+void token_ids(py::handle tokens, int64_t n, std::vector<int64_t>* out) {
+  out->resize(static_cast<size_t>(n));
+  int64_t* dst = out->data();
+  PyObject* obj = tokens.ptr();
+  if (PyList_Check(obj) || PyTuple_Check(obj)) {
+    if (Py_SIZE(obj) < n)
+      throw py::value_error("tokens: fewer than " + std::to_string(n) + " token ids");
+    PyObject** items = PyList_Check(obj) ? &PyList_GET_ITEM(obj, 0) : &PyTuple_GET_ITEM(obj, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      PyObject* item = items[i];
+      long long v;
+      if (PyLong_CheckExact(item)) {
+        v = compact_int(item);
+      } else {
+        PyObject* index = PyNumber_Index(item);  // numpy integers, bool; refuses floats
+        if (index == nullptr) {
+          PyErr_Clear();
+          throw py::type_error("tokens: expected integer token ids, got " +
+                               std::string(Py_TYPE(item)->tp_name) + " at position " +
+                               std::to_string(i));
+        }
+        v = PyLong_AsLongLong(index);
+        Py_DECREF(index);
+      }
+      if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        throw py::value_error("tokens: token id at position " + std::to_string(i) +
+                              " does not fit in int64");
+      }
+      dst[i] = v;
+    }
+    return;
+  }
+  py::array arr = py::reinterpret_borrow<py::array>(tokens);
+  if (arr.ndim() != 1 || (arr.dtype().kind() != 'i' && arr.dtype().kind() != 'u')) {
+    throw py::type_error("tokens: expected a list/tuple of ints or a 1-D integer array");
+  }
+  if (arr.shape(0) < n)
+    throw py::value_error("tokens: fewer than " + std::to_string(n) + " token ids");
+  auto ids = arr.cast<Int64Array>();  // a copy only when the dtype differs
+  std::memcpy(dst, ids.data(), static_cast<size_t>(n) * sizeof(int64_t));
+}
+
+Int64Array to_array(const std::vector<int64_t>& v) {
+  Int64Array out(static_cast<py::ssize_t>(v.size()));
+  if (!v.empty()) std::memcpy(out.mutable_data(), v.data(), v.size() * sizeof(int64_t));
+  return out;
+}
+
+py::list splits_list(const std::vector<hicache::Split>& splits) {
+  py::list out;
+  for (const auto& s : splits) out.append(py::make_tuple(s.lower, s.upper, s.at));
+  return out;
+}
+
+// One byte per slot, writable when asked: numpy bool/uint8 arrays, never a converted copy (the core
+// keeps the pointer).
+uint8_t* byte_array(const py::buffer& buf, const char* name, bool writable, int64_t* size) {
+  py::buffer_info info = buf.request(writable);
+  if (info.ndim != 1 || info.itemsize != 1 || (info.shape[0] > 1 && info.strides[0] != 1)) {
+    throw py::value_error(std::string(name) + ": expected a contiguous 1-D array of 1-byte items");
+  }
+  *size = info.shape[0];
+  return static_cast<uint8_t*>(info.ptr);
+}
+
+class PyRadixTree {
+ public:
+  explicit PyRadixTree(int64_t page_size) : tree_(page_size) {}
+
+  void bind_slots(const py::buffer& states, const py::buffer& owned) {
+    hicache::SlotArrays a;
+    int64_t n_owned = 0;
+    a.states = byte_array(states, "states", false, &a.size);
+    a.owned = byte_array(owned, "owned", true, &n_owned);
+    if (n_owned != a.size) throw py::value_error("owned: expected one entry per slot of states");
+    tree_.bind_slots(a);
+    states_ = states;  // the arrays outlive the pointers the core keeps
+    owned_ = owned;
+  }
+
+  py::tuple match(py::handle tokens, int64_t n, int touch, int64_t threshold) {
+    token_ids(tokens, n, &key_);
+    hicache::MatchOut out;
+    tree_.match(key_.data(), n, static_cast<hicache::Touch>(touch), threshold, &out);
+    return py::make_tuple(to_array(out.device_slots), out.device_len, out.host_len, out.last_device,
+                          out.last_host, splits_list(out.splits), py::cast(out.backups));
+  }
+
+  py::tuple insert(py::handle tokens, const Int64Array& slots, int64_t priority, int touch,
+                   int64_t threshold, bool checked) {
+    if (!tree_.slots_bound()) throw std::runtime_error("insert: bind_slots was not called");
+    const int64_t n = slots.shape(0);
+    token_ids(tokens, n, &key_);
+    hicache::InsertOut out;
+    tree_.insert(key_.data(), slots.data(), n, priority, static_cast<hicache::Touch>(touch),
+                 threshold, checked, &out);
+    py::object cached = py::none();
+    if (out.status != hicache::InsertStatus::kOk) cached = to_array(out.cached);
+    return py::make_tuple(static_cast<int>(out.status), out.dup, cached, splits_list(out.splits),
+                          py::cast(out.backups), out.new_node);
+  }
+
+  py::object slots(int64_t id) const {
+    if (!tree_.has_value(id)) return py::none();
+    return to_array(tree_.slots(id));
+  }
+
+  void set_slots(int64_t id, py::object value) {
+    if (value.is_none()) {
+      tree_.clear_slots(id);
+      return;
+    }
+    auto v = value.cast<Int64Array>();
+    tree_.set_slots(id, v.data(), v.shape(0));
+  }
+
+  py::tuple key(int64_t id) const {
+    const auto& k = tree_.key(id);
+    py::tuple out(k.size());
+    for (size_t i = 0; i < k.size(); ++i) PyTuple_SET_ITEM(out.ptr(), i, PyLong_FromLongLong(k[i]));
+    return out;
+  }
+
+  hicache::RadixTree& core() { return tree_; }
+
+ private:
+  hicache::RadixTree tree_;
+  std::vector<int64_t> key_;  // scratch
+  py::object states_, owned_;
+};
+
+// Whether list/tuple `seq` holds exactly the objects whose addresses `ptrs` packs (native uintptr_t
+// each): the identity check of a cached per-layer tensor list, without an int object per item.
+bool same_items(py::handle seq, const py::bytes& ptrs) {
+  PyObject* obj = seq.ptr();
+  if (!PyList_Check(obj) && !PyTuple_Check(obj)) return false;
+  char* data = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_AsStringAndSize(ptrs.ptr(), &data, &len) != 0) throw py::error_already_set();
+  const Py_ssize_t n = Py_SIZE(obj);
+  if (len != n * static_cast<Py_ssize_t>(sizeof(uintptr_t))) return false;
+  PyObject** items = PyList_Check(obj) ? &PyList_GET_ITEM(obj, 0) : &PyTuple_GET_ITEM(obj, 0);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    uintptr_t want;
+    std::memcpy(&want, data + i * sizeof(uintptr_t), sizeof(uintptr_t));
+    if (reinterpret_cast<uintptr_t>(items[i]) != want) return false;
+  }
+  return true;
+}
+
+class PyPageStack {
+ public:
+  PyPageStack(const py::buffer& stack, const py::buffer& states, const py::buffer& ever,
+              int64_t page_size) {
+    py::buffer_info info = stack.request();
+    if (info.ndim != 1 || info.itemsize != 8 || (info.format != "l" && info.format != "q") ||
+        (info.shape[0] > 1 && info.strides[0] != 8)) {
+      throw py::value_error("stack: expected a contiguous 1-D int64 array");
+    }
+    if (page_size < 1) throw py::value_error("page_size: expected >= 1");
+    int64_t n_states = 0, n_ever = 0;
+    p_.stack = static_cast<const int64_t*>(info.ptr);
+    p_.states = byte_array(states, "states", true, &n_states);
+    p_.ever = byte_array(ever, "ever", true, &n_ever);
+    p_.page_size = page_size;
+    num_pages_ = info.shape[0];
+    if (n_states < num_pages_ * page_size || n_ever != n_states) {
+      throw py::value_error("states, ever: expected page_size entries per page of stack");
+    }
+    keep_ = py::make_tuple(stack, states, ever);
+  }
+
+  Int64Array pop(int64_t top, int64_t need, int state) const {
+    if (top < 0 || top > num_pages_ || need < 0 || need > top || state < 0 || state > 255) {
+      throw py::value_error("pop: top/need/state out of range");
+    }
+    Int64Array out(static_cast<py::ssize_t>(need * p_.page_size));
+    p_.pop(top, need, static_cast<uint8_t>(state), out.mutable_data());
+    return out;
+  }
+
+ private:
+  hicache::PageStack p_;
+  int64_t num_pages_ = 0;
+  py::tuple keep_;  // the arrays outlive the pointers
+};
+
+void bind_radix_tree(py::module_& m) {
+  m.def("same_items", &same_items, py::arg("seq"), py::arg("ptrs"),
+        "Whether the list/tuple seq holds exactly the objects at the addresses packed in ptrs.");
+  py::class_<PyPageStack>(m, "PageStack",
+                          "Page allocation over a pool's numpy arrays (see hicache.pools).")
+      .def(py::init<const py::buffer&, const py::buffer&, const py::buffer&, int64_t>(),
+           py::arg("stack"), py::arg("states"), py::arg("ever"), py::arg("page_size"))
+      .def("pop", &PyPageStack::pop, py::arg("top"), py::arg("need"), py::arg("state"),
+           "Pop need pages off the top pages of stack (top first), mark their slots, return the "
+           "slots.");
+
+  using hicache::RadixTree;
+  py::class_<PyRadixTree>(
+      m, "RadixTree",
+      "The compiled radix-tree core of hicache.HiRadixCache (see hicache.tree_core).")
+      .def(py::init<int64_t>(), py::arg("page_size"))
+      .def("bind_slots", &PyRadixTree::bind_slots, py::arg("states"), py::arg("owned"),
+           "The device pool's slot states (uint8, 0 = free) and the tree's ownership bytes (bool, "
+           "written); kept by reference.")
+      .def("match", &PyRadixTree::match, py::arg("tokens"), py::arg("n"), py::arg("touch"),
+           py::arg("threshold"),
+           "(device_slots, device_len, host_len, last_device, last_host, splits, backups)")
+      .def("insert", &PyRadixTree::insert, py::arg("tokens"), py::arg("slots"), py::arg("priority"),
+           py::arg("touch"), py::arg("threshold"), py::arg("checked"),
+           "(status, dup, cached, splits, backups, new_node); status 1: the slots need the full "
+           "check "
+           "(nothing changed; cached = the tree's slots of the first dup tokens)")
+      .def("slots", &PyRadixTree::slots, py::arg("id"))
+      .def("set_slots", &PyRadixTree::set_slots, py::arg("id"), py::arg("value"))
+      .def("key", &PyRadixTree::key, py::arg("id"))
+      .def(
+          "alive", [](PyRadixTree& t, int64_t id) { return t.core().alive(id); }, py::arg("id"))
+      .def(
+          "parent", [](PyRadixTree& t, int64_t id) { return t.core().parent(id); }, py::arg("id"))
+      .def(
+          "length", [](PyRadixTree& t, int64_t id) { return t.core().length(id); }, py::arg("id"))
+      .def(
+          "children", [](PyRadixTree& t, int64_t id) { return t.core().children(id); },
+          py::arg("id"))
+      .def(
+          "subtree", [](PyRadixTree& t, int64_t id) { return t.core().subtree(id); }, py::arg("id"))
+      .def(
+          "leaves", [](PyRadixTree& t, int kind) { return t.core().leaves(kind); }, py::arg("kind"),
+          "ids of device leaves (kind 0: device slots, no child has any) or host leaves (kind 1: "
+          "no "
+          "device slots, no children)")
+      .def(
+          "has_value", [](PyRadixTree& t, int64_t id) { return t.core().has_value(id); },
+          py::arg("id"))
+      .def(
+          "flag", [](PyRadixTree& t, int64_t id, int w) { return t.core().flag(id, w); },
+          py::arg("id"), py::arg("which"))
+      .def(
+          "set_flag",
+          [](PyRadixTree& t, int64_t id, int w, bool v) { t.core().set_flag(id, w, v); },
+          py::arg("id"), py::arg("which"), py::arg("value"))
+      .def(
+          "meta", [](PyRadixTree& t, int64_t id, int w) { return t.core().meta(id, w); },
+          py::arg("id"), py::arg("which"))
+      .def(
+          "set_meta",
+          [](PyRadixTree& t, int64_t id, int w, int64_t v) { t.core().set_meta(id, w, v); },
+          py::arg("id"), py::arg("which"), py::arg("value"))
+      .def(
+          "remove", [](PyRadixTree& t, int64_t id) { return t.core().remove(id); }, py::arg("id"))
+      .def_property_readonly("clock", [](PyRadixTree& t) { return t.core().clock(); })
+      .def_property_readonly("num_nodes", [](PyRadixTree& t) { return t.core().num_nodes(); })
+      .def_property_readonly("page_size", [](PyRadixTree& t) { return t.core().page_size(); });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -263,4 +550,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("error_name", &error_name, py::arg("code"), "cudaGetErrorName of a cudaError_t value.");
   m.def("host_device_pointer", &host_device_pointer, py::arg("host_ptr"),
         "Device address of (any byte of) pinned host memory; raises for pageable memory.");
+  bind_radix_tree(m);
 }

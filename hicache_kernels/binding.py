@@ -23,6 +23,7 @@ behind a :class:`KVBinding` (the ops' cache does notice a list whose layers diff
 
 from __future__ import annotations
 
+import array
 import threading
 import weakref
 from collections.abc import Callable
@@ -174,6 +175,17 @@ class BoundPools:
 # ------------------------------------------------------------------------------------------------------
 # Caches keyed by the identity of live arguments (the ops' bindings, compat's routes)
 # ------------------------------------------------------------------------------------------------------
+def _load_same_items() -> Any:
+    from ._ext import extension_status, load_extension  # noqa: PLC0415
+
+    if not extension_status()[0]:
+        return None  # a pure-Python build: the tuple-of-ids comparison below does the same
+    return getattr(load_extension(), "same_items", None)
+
+
+_same_items = _load_same_items()
+
+
 class _Same:
     """Whether an argument (a tensor, a list of tensors, or None) is still the one a cache entry was
     made for: the tensor's metadata (and, ``versioned``, its in-place version: for tensors whose
@@ -181,10 +193,13 @@ class _Same:
     metadata. Identity itself comes from the cache key (ids of objects the entry outlives only while
     they live)."""
 
-    __slots__ = ("dtype", "ids", "ptr", "shape", "stride", "version")
+    __slots__ = ("dtype", "ids", "packed", "ptr", "shape", "stride", "version")
 
     def __init__(self, arg: Any, versioned: bool = False) -> None:
         self.ids = None if arg is None or isinstance(arg, torch.Tensor) else tuple(map(id, arg))
+        # The ids packed for the extension's one-pass check (_C.same_items): a 61-layer list costs
+        # ~0.3 us instead of ~2 us for an int object per item.
+        self.packed = None if self.ids is None or _same_items is None else array.array("Q", self.ids).tobytes()
         first = None if arg is None else (arg if self.ids is None else arg[0])
         self.ptr = None if first is None else first.data_ptr()
         self.shape = None if first is None else first.shape
@@ -198,7 +213,10 @@ class _Same:
         if self.ids is not None:
             # The key holds id(arg[0]) and len(arg); every element must be the one seen (ids are unique
             # among live objects, and the entry goes when any of them dies): one C-level pass.
-            if type(arg) not in (list, tuple) or tuple(map(id, arg)) != self.ids:
+            if self.packed is not None:
+                if not _same_items(arg, self.packed):
+                    return False
+            elif type(arg) not in (list, tuple) or tuple(map(id, arg)) != self.ids:
                 return False
             arg = arg[0]
         return (

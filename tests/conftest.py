@@ -23,3 +23,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["compiled", "python"])
+def each_tree_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test once per radix-tree core (HiRadixCache's default comes from HICACHE_TREE_CORE);
+    the compiled run skips, saying why, when the extension lacks the core."""
+    if request.param == "compiled":
+        from hicache.tree_core import compiled_core_status
+
+        ok, why = compiled_core_status()
+        if not ok:
+            pytest.skip(f"compiled tree core unavailable: {why}")
+    monkeypatch.setenv("HICACHE_TREE_CORE", request.param)
+    return request.param

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from hicache.bench_tree import Workload, main, make_requests
+from hicache.tree_core import compiled_core_status
 
 TINY = ["--conversations", "6", "--turns", "3", "--system-prompts", "2", "--system-len", "40",
         "--question-len", "12", "--answer-len", "20", "--repeats", "2", "--page-sizes", "1", "4"]  # fmt: skip
@@ -36,10 +37,24 @@ def test_bench_tree_writes_json_with_the_workloads_hit_rate(tmp_path):
     total = sum(len(r) for r in requests)
     assert data["workload"]["tokens"] == total
     assert [row["page_size"] for row in data["results"]] == [1, 4]
+    compiled, _ = compiled_core_status()
+    assert data["tree_cores"] == (["compiled", "python"] if compiled else ["python"])
     for row in data["results"]:
-        h = row["hicache"]
-        assert h["requests_per_s"] > 0 and len(h["times_s"]) == 2 and "sglang" not in row
-        assert h["hit_rate"] == reference_hits(requests, row["page_size"]) / total
+        assert row["tree_core"] == data["tree_cores"][0]
+        runs = [row["hicache"], *([row["hicache_python"]] if compiled else [])]
+        assert ("hicache_python" in row) == compiled
+        for h in runs:  # both cores: the workload's exact hit rate
+            assert h["requests_per_s"] > 0 and len(h["times_s"]) == 2 and "sglang" not in row
+            assert h["hit_rate"] == reference_hits(requests, row["page_size"]) / total
+
+
+def test_bench_tree_one_core(tmp_path):
+    out = tmp_path / "tree.json"
+    assert main([*TINY, "--no-sglang", "--tree-core", "python", "--page-sizes", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["tree_cores"] == ["python"]
+    (row,) = data["results"]
+    assert row["tree_core"] == "python" and "hicache_python" not in row
 
 
 def test_workload_is_seeded_and_multi_turn():

@@ -383,3 +383,23 @@ def test_gpu_tables_go_with_their_pools():
     del pools
     gc.collect()
     assert len(launch.device_tables) == before
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_list_identity_check_with_and_without_the_extension(monkeypatch, packed):
+    """A cached per-layer list is found again only for a list or tuple of the very same tensors, in
+    order; the extension's packed check and the pure-Python one agree."""
+    from hicache_kernels import binding
+
+    if packed and binding._same_items is None:
+        pytest.skip("the extension is not built")
+    if not packed:
+        monkeypatch.setattr(binding, "_same_items", None)
+    layers = [torch.randn(4, 2) for _ in range(5)]
+    same = binding._Same(layers)
+    assert (same.packed is not None) == packed
+    assert same(layers) and same(list(layers)) and same(tuple(layers))
+    assert not same(layers[:4]) and not same([*layers, layers[0]])
+    assert not same([layers[1], layers[0], *layers[2:]])
+    assert not same([torch.randn(4, 2), *layers[1:]])
+    assert not same({0: layers[0]}) and not same(iter(layers))

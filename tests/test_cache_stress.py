@@ -32,6 +32,9 @@ from hicache.radix_cache import TreeNode
 
 from cachedata import check_kv, kv_value, wrap_copies
 
+# Every test runs on both radix-tree cores (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("each_tree_core")
+
 # Tiny heads: the KV of a token is 2 layers x 1 head x 4 elements. HEAD_DIM 4 (cachedata's) so that
 # cachedata.kv_value / check_kv describe the same bytes the vectorized helpers below write and check.
 L, H, D = 2, 1, 4
@@ -605,7 +608,10 @@ CONFIGS = [
 
 
 @pytest.mark.slow
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=1000, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],  # the core, set once per test
+)  # fmt: skip
 @given(
     config=st.sampled_from(CONFIGS),
     device_slots=st.sampled_from([32, 48]),
@@ -646,7 +652,8 @@ LONG_SEGMENTS = [  # (config, steps): 100_000 steps in all, every write policy, 
 
 
 @pytest.mark.slow
-def test_long_seeded_run():
+@pytest.mark.parametrize("each_tree_core", ["compiled"], indirect=True)  # the default core; both: test_tree_core
+def test_long_seeded_run(each_tree_core):
     # No wall-clock limit here: speed belongs to benchmarks, and CI runs on a busy 2-core machine.
     total = Counter()
     for i, (config, steps) in enumerate(LONG_SEGMENTS):

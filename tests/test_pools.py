@@ -732,3 +732,36 @@ def test_page_ranges_tile_the_buffer(layout, mla):
         host.page_ranges(torch.arange(host.size, host.size + 4))
     with pytest.raises(TypeError):
         host.page_ranges(torch.zeros(4))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_compiled_and_numpy_alloc_paths_agree(page_size):
+    """alloc pops pages in one compiled call when the extension is built; the numpy path (pure-Python
+    builds) must give the same slots and leave the same state, call for call."""
+    pools = []
+    for compiled in (True, False):
+        p = DeviceKVPool(num_slots=64, num_layers=1, head_num=1, head_dim=2, dtype=torch.float32, device="cpu",
+                         page_size=page_size)  # fmt: skip
+        if not compiled:
+            p._slots._pop = None
+        pools.append(p)
+    if pools[0]._slots._pop is None:
+        pytest.skip("the extension is not built: only the numpy path exists")
+    r = random.Random(page_size)
+    held: list[list[torch.Tensor]] = [[], []]
+    for _ in range(300):
+        if held[0] and r.random() < 0.45:
+            i = r.randrange(len(held[0]))
+            for p, h in zip(pools, held, strict=True):
+                p.free(h.pop(i))
+        else:
+            n = page_size * r.randint(0, 6)
+            got = [p.alloc(n) for p in pools]
+            assert (got[0] is None) == (got[1] is None)
+            if got[0] is not None:
+                assert got[0].dtype == got[1].dtype == torch.int64 and torch.equal(got[0], got[1])
+                for h, g in zip(held, got, strict=True):
+                    h.append(g)
+        a, b = (p._slots for p in pools)
+        assert np.array_equal(a._states, b._states) and np.array_equal(a._ever, b._ever)
+        assert a._num_free == b._num_free and np.array_equal(a._stack[: a._num_free], b._stack[: b._num_free])

@@ -14,6 +14,9 @@ from hicache_kernels.layouts import LAYOUTS, MLA_LAYOUTS
 from cachedata import check_kv, evict_and_reload, make_cache, prefill, write_kv
 from test_cache_stress import state_of
 
+# Every test runs on both radix-tree cores (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("each_tree_core")
+
 
 def test_insert_then_match_returns_device_prefix():
     with make_cache(device_slots=32) as c:

@@ -5,7 +5,8 @@ that missed, insert the page-aligned prompt with the matched slots plus the new 
 slots the insert reports as duplicated. No KV is copied: the pools are CPU pools of one layer, one
 head of one element, large enough that nothing is evicted, the controller runs inline
 (``threaded=False``) and the write policy is ``write_back`` (a backup only on eviction, which never
-happens), so the figure is the tree plus the slot allocator.
+happens), so the figure is the tree plus the slot allocator. Both tree cores run by default (the
+compiled one, which ``HiRadixCache`` picks when the extension is built, and the Python reference).
 
 When ``sglang.srt.mem_cache.radix_cache`` imports (SGLang's pure-Python ``RadixCache``), the same
 requests run through it in the same process and the ratio is reported. Its slots come from a counter
@@ -22,6 +23,7 @@ Run ``python -m hicache.bench_tree [--json PATH]``; ``--help`` lists the knobs.
 from __future__ import annotations
 
 import argparse
+import array
 import gc
 import json
 import platform
@@ -37,6 +39,7 @@ import torch
 
 from .pools import DeviceKVPool, HostKVPool
 from .radix_cache import HiRadixCache
+from .tree_core import TREE_CORES, choose_core
 
 VOCAB = 32000
 
@@ -50,10 +53,15 @@ class Workload:
     system_len: int = 512
     question_len: int = 96
     answer_len: int = 160
+    fresh_tokens: bool = True
 
 
 def make_requests(w: Workload) -> list[list[int]]:
-    """The prompts in issue order (lists of Python ints, as a scheduler holds them)."""
+    """The prompts in issue order (lists of Python ints, as a scheduler holds them).
+
+    ``fresh_tokens`` (default): each prompt's ints are new objects, as a tokenizer returns them for
+    every request. Otherwise a turn reuses the previous turn's int objects, which flatters a tree that
+    compares Python lists (identical objects compare equal without reading them)."""
     r = random.Random(w.seed)
 
     def tokens(n: int) -> list[int]:
@@ -68,18 +76,24 @@ def make_requests(w: Workload) -> list[list[int]]:
     for c in order:
         # Lengths vary by up to +-25% so edges do not fall on page boundaries by construction.
         history[c] += tokens(r.randint(w.question_len * 3 // 4, w.question_len * 5 // 4))
-        requests.append(list(history[c]))
+        requests.append(_fresh(history[c]) if w.fresh_tokens else list(history[c]))
         history[c] += tokens(r.randint(w.answer_len * 3 // 4, w.answer_len * 5 // 4))
     return requests
 
 
-def _hicache_runner(page_size: int, total_tokens: int) -> Callable[[list[list[int]]], int]:
+def _fresh(tokens: list[int]) -> list[int]:
+    """The same token ids as new int objects (ids below 257 are CPython's shared small ints anyway)."""
+    return array.array("q", tokens).tolist()
+
+
+def _hicache_runner(page_size: int, total_tokens: int, core: str = "auto") -> Callable[[list[list[int]]], int]:
     def run(requests: list[list[int]]) -> int:
         slots = (total_tokens // page_size + 1) * page_size
         dev = DeviceKVPool(num_slots=slots, num_layers=1, head_num=1, head_dim=1, dtype=torch.float16,
                            device="cpu", page_size=page_size)  # fmt: skip
         host = HostKVPool(dev, layout="page_first", ratio=1.01, safety_margin_gb=0.0)
-        cache = HiRadixCache(dev, host, io_backend="direct", write_policy="write_back", threaded=False)
+        cache = HiRadixCache(dev, host, io_backend="direct", write_policy="write_back", threaded=False, tree_core=core)
+        run.core = cache.tree_core  # type: ignore[attr-defined]
         hits = 0
         t0 = time.perf_counter()
         for toks in requests:
@@ -162,19 +176,42 @@ def measure(run: Callable[[list[list[int]]], int], requests: list[list[int]], re
     }
 
 
-def run_bench(w: Workload, page_sizes: list[int], repeats: int, compare: bool = True) -> dict[str, Any]:
+def cores_to_run(tree_core: str) -> list[str]:
+    """The tree cores ``--tree-core`` asks for, the default one (what ``auto`` picks) first: ``both``
+    adds the Python reference after the compiled core when that is available."""
+    default, _ = choose_core("auto" if tree_core == "both" else tree_core)
+    if tree_core == "both" and default == "compiled":
+        return ["compiled", "python"]
+    return [default]
+
+
+def run_bench(
+    w: Workload, page_sizes: list[int], repeats: int, compare: bool = True, tree_core: str = "both"
+) -> dict[str, Any]:
+    """Rows per page size: ``hicache`` is the first core of :func:`cores_to_run` (named by ``tree_core``),
+    ``hicache_python`` the Python core beside it when both run; ``sglang`` and the speed-ups when
+    SGLang's tree imports."""
     requests = make_requests(w)
     total = sum(len(t) for t in requests)
+    cores = cores_to_run(tree_core)
     rows = []
     for ps in page_sizes:
-        row: dict[str, Any] = {"page_size": ps, "hicache": measure(_hicache_runner(ps, total), requests, repeats)}
+        row: dict[str, Any] = {"page_size": ps, "tree_core": cores[0]}
+        for core in cores:
+            name = "hicache" if core == cores[0] else f"hicache_{core}"
+            row[name] = measure(_hicache_runner(ps, total, core), requests, repeats)
         sgl = _sglang_runner(ps) if compare else None
         if sgl is not None:
             row["sglang"] = measure(sgl, requests, repeats)
             row["speedup_vs_sglang"] = row["hicache"]["requests_per_s"] / row["sglang"]["requests_per_s"]
+            if "hicache_python" in row:
+                row["python_core_speedup_vs_sglang"] = (
+                    row["hicache_python"]["requests_per_s"] / row["sglang"]["requests_per_s"]
+                )
         rows.append(row)
     return {
         "bench": "hicache.bench_tree",
+        "tree_cores": cores,
         "workload": {**asdict(w), "requests": len(requests), "tokens": total},
         "repeats": repeats,
         "sglang_version": _sglang_version() if compare else None,
@@ -196,20 +233,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-len", type=int, default=d.system_len)
     p.add_argument("--question-len", type=int, default=d.question_len)
     p.add_argument("--answer-len", type=int, default=d.answer_len)
+    p.add_argument(
+        "--shared-token-objects", action="store_true",
+        help="let each turn reuse the previous turn's int objects instead of fresh ones (a tokenizer's)",
+    )  # fmt: skip
     p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-sglang", action="store_true", help="skip the side-by-side SGLang RadixCache run")
+    p.add_argument(
+        "--tree-core", choices=["both", *TREE_CORES], default="both",
+        help="which radix-tree core to time (both: the compiled one and the Python reference, when compiled)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
-    w = Workload(a.seed, a.conversations, a.turns, a.system_prompts, a.system_len, a.question_len, a.answer_len)
-    out = run_bench(w, a.page_sizes, a.repeats, compare=not a.no_sglang)
+    w = Workload(
+        a.seed, a.conversations, a.turns, a.system_prompts, a.system_len, a.question_len, a.answer_len,
+        fresh_tokens=not a.shared_token_objects,
+    )  # fmt: skip
+    out = run_bench(w, a.page_sizes, a.repeats, compare=not a.no_sglang, tree_core=a.tree_core)
     wl = out["workload"]
     print(f"workload: {wl['requests']} requests, {wl['tokens']} tokens, seed {w.seed}; median of {a.repeats}")
     if out["sglang_version"] is None and not a.no_sglang:
         print("sglang: not importable (no side-by-side run)")
     for row in out["results"]:
         h = row["hicache"]
-        line = f"page {row['page_size']:>3}: hicache {h['requests_per_s']:9.0f} req/s  hit rate {h['hit_rate']:.3f}"
+        line = (
+            f"page {row['page_size']:>3}: hicache ({row['tree_core']} core) {h['requests_per_s']:9.0f} req/s"
+            f"  hit rate {h['hit_rate']:.3f}"
+        )
         if "sglang" in row:
             s = row["sglang"]
             line += (
@@ -217,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"  hit rate {s['hit_rate']:.3f}  -> {row['speedup_vs_sglang']:.2f}x"
             )
         print(line)
+        if "hicache_python" in row:
+            line = f"          hicache (python core)   {row['hicache_python']['requests_per_s']:9.0f} req/s"
+            if "python_core_speedup_vs_sglang" in row:
+                line += f"  -> {row['python_core_speedup_vs_sglang']:.2f}x SGLang"
+            print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

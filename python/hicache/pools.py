@@ -70,6 +70,16 @@ class SlotState(IntEnum):
 
 
 _FREE, _RESERVED = np.uint8(SlotState.FREE), np.uint8(SlotState.RESERVED)  # plain numpy scalars: no enum per call
+_RESERVED_INT = int(SlotState.RESERVED)
+
+
+def _compiled_page_stack(stack: np.ndarray, states: np.ndarray, ever: np.ndarray, page_size: int):
+    """``hicache_kernels._C.PageStack(...).pop`` over the pool's arrays, or None without the extension."""
+    from hicache_kernels._ext import extension_status, load_extension  # noqa: PLC0415
+
+    if not extension_status()[0] or not hasattr(load_extension(), "PageStack"):
+        return None
+    return load_extension().PageStack(stack, states, ever, page_size).pop
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -111,6 +121,9 @@ class _PagedSlots:
         self._scratch = np.empty(num_pages, dtype=np.int32 if num_pages < 2**31 else np.int64)
         self._index = np.arange(num_pages, dtype=self._scratch.dtype)
         self._lock = threading.Lock()
+        # alloc's pops in one compiled call when the extension is built (same result as the numpy path
+        # below, which tests also run): the scheduler allocates on every request.
+        self._pop = _compiled_page_stack(self._stack, self._states, self._ever, page_size)
 
     def available_size(self) -> int:
         with self._lock:
@@ -128,8 +141,10 @@ class _PagedSlots:
             top = self._num_free
             if need > top:
                 return None
-            pages = self._stack[top - need : top][::-1]
             self._num_free = top - need
+            if self._pop is not None:
+                return torch.from_numpy(self._pop(top, need, _RESERVED_INT))
+            pages = self._stack[top - need : top][::-1]
             # Page-indexed updates: one index per page, not per slot.
             self._page_states[pages] = _RESERVED
             self._page_ever[pages] = True
@@ -405,6 +420,11 @@ class DeviceKVPool:
     def is_allocated(self, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Bool tensor: whether each of ``slots`` (default: every slot) is allocated."""
         return self._slots.states("is_allocated", slots) != SlotState.FREE
+
+    def _state_array(self) -> np.ndarray:
+        """The live slot-state bytes (uint8, one per slot, 0 = free), for the compiled tree core's
+        check of inserted slots (read only, under the GIL; the array is never replaced)."""
+        return self._slots._states
 
     def allocated_of(self, slots: np.ndarray) -> np.ndarray:
         """Bool array: whether each of ``slots`` is allocated, for a caller that has already checked them

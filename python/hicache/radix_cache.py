@@ -53,8 +53,30 @@ from .policies import EvictionPolicy, get_policy
 from .pools import DeviceKVPool, HostKVPool
 from .slot_check import TreeDeviceSlots
 from .tree import MatchResult, TreeNode, is_attached, match_path, page_key, subtree
+from .tree_core import TOUCH, CompiledNode, CompiledTree, choose_core, token_source
 
-__all__ = ["HiRadixCache", "MatchResult", "TreeNode"]
+__all__ = ["CompiledNode", "HiRadixCache", "MatchResult", "TreeNode"]
+
+
+class _LostNodes(dict):
+    """``HiRadixCache._lost`` (id -> node): the compiled core keeps a copy of membership as a flag, which
+    ``match_prefix`` reads."""
+
+    __slots__ = ("core",)
+
+    def __init__(self, core: Any) -> None:
+        super().__init__()
+        self.core = core
+
+    def __setitem__(self, node_id: int, node: Any) -> None:
+        super().__setitem__(node_id, node)
+        if self.core is not None:
+            self.core.set_flag(node_id, 1, True)
+
+    def __delitem__(self, node_id: int) -> None:
+        super().__delitem__(node_id)
+        if self.core is not None and self.core.alive(node_id):
+            self.core.set_flag(node_id, 1, False)
 
 
 class HiRadixCache(CopyAcks):
@@ -70,6 +92,10 @@ class HiRadixCache(CopyAcks):
         ``key(node)``; used for both tiers.
     load_back_threshold : host hits shorter than this many tokens are not loaded back (default 10).
     write_through_threshold : hits that trigger a backup under ``write_through_selective`` (default 2).
+    tree_core : ``"auto"`` (default; None reads the ``HICACHE_TREE_CORE`` environment variable, default
+        ``"auto"``), ``"compiled"`` or ``"python"``: which core holds the tree (:mod:`hicache.tree_core`).
+        ``auto`` takes the compiled core when the extension is built; ``compiled`` raises
+        ``RuntimeError`` naming why it cannot. ``tree_core`` / ``tree_core_reason`` tell the choice.
     """
 
     def __init__(
@@ -85,6 +111,7 @@ class HiRadixCache(CopyAcks):
         eviction_policy: str | EvictionPolicy = "lru",
         load_back_threshold: int = 10,
         write_through_threshold: int = 2,
+        tree_core: str | None = None,
     ) -> None:
         if host_pool.page_size != device_pool.page_size:
             raise ValueError(
@@ -94,6 +121,7 @@ class HiRadixCache(CopyAcks):
             raise ValueError(f"load_back_threshold: expected >= 0, got {load_back_threshold}")
         if write_through_threshold < 1:
             raise ValueError(f"write_through_threshold: expected >= 1, got {write_through_threshold}")
+        self.tree_core, self.tree_core_reason = choose_core(tree_core)
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._owns_controller = controller is None
@@ -109,13 +137,19 @@ class HiRadixCache(CopyAcks):
         self._ids = itertools.count(1)
         self._clock = 0
         self._closed = False
-        self.root = TreeNode(0, None, (), 0)
-        self.root.lock_ref = 1  # never evicted
         self._slots = TreeDeviceSlots(device_pool)
+        self._tree: CompiledTree | None = None
+        if self.tree_core == "compiled":
+            self._tree = CompiledTree(self.page_size, device_pool._state_array(), self._slots.owned)
+            self.root: TreeNode | CompiledNode = self._tree.node(0)
+            self._touch_mode = TOUCH[self.write_policy]
+        else:
+            self.root = TreeNode(0, None, (), 0)
+        self.root.lock_ref = 1  # never evicted
         self._inflight_writes: dict[int, tuple[TreeNode, torch.Tensor]] = {}
         self._inflight_loads: dict[int, tuple[TreeNode, torch.Tensor, float]] = {}
         # Nodes whose load-back failed while others held them locked: device KV lost, dropped at the last unlock.
-        self._lost: dict[int, TreeNode] = {}
+        self._lost: dict[int, Any] = _LostNodes(None if self._tree is None else self._tree.core)
 
     @property
     def metrics(self) -> CacheMetrics:
@@ -173,6 +207,8 @@ class HiRadixCache(CopyAcks):
     def match_prefix(self, tokens: Any) -> MatchResult:
         """Longest cached prefix of ``tokens`` (a list or 1-D tensor of ints), page-aligned."""
         self._check_open("match_prefix")
+        if self._tree is not None:
+            return self._match_compiled(tokens)
         key = page_key(tokens, self.page_size)
         device: list[torch.Tensor] = []
         last_device = last_host = self.root
@@ -236,6 +272,8 @@ class HiRadixCache(CopyAcks):
         the cache).
         """
         self._check_open("insert")
+        if self._tree is not None:
+            return self._insert_compiled(tokens, device_indices, priority)
         key = page_key(tokens, self.page_size)
         if len(key) != len(tokens):
             raise ValueError(
@@ -307,6 +345,74 @@ class HiRadixCache(CopyAcks):
             self._backup_many(backups)  # the new node (write_through) or the hot ones (selective): one op
         return dup
 
+    # ------------------------------------------------------------------ the compiled core's calls
+    def _match_compiled(self, tokens: Any) -> MatchResult:
+        t = self._tree
+        src = tokens if type(tokens) is list else token_source(tokens)
+        n = len(src)
+        slots, dev_len, host_len, last_dev, last_host, splits, backups = t.core.match(
+            src, n - n % self.page_size, self._touch_mode, self.write_through_threshold
+        )
+        if splits:
+            self._after_splits(splits)
+        if backups:
+            self._backup_many([t.node(i) for i in backups])
+        m = self.metrics
+        m.device_hit_tokens += dev_len
+        m.host_hit_tokens += host_len
+        m.miss_tokens += n - dev_len - host_len
+        return MatchResult(torch.from_numpy(slots), t.node(last_dev), t.node(last_host), host_len)
+
+    def _insert_compiled(self, tokens: Any, device_indices: torch.Tensor, priority: int) -> int:
+        t = self._tree
+        src = tokens if type(tokens) is list else token_source(tokens)
+        n = len(src)
+        if n % self.page_size:
+            raise ValueError(
+                f"tokens: expected a page-aligned key (a multiple of page_size {self.page_size}), got {n}; "
+                "device_indices: one slot per token"
+            )
+        s = self._slots.as_array(device_indices, n)
+        if not s.flags.c_contiguous:
+            s = np.ascontiguousarray(s)
+        mode, threshold = self._touch_mode, self.write_through_threshold
+        status, dup, cached, splits, backups, _ = t.core.insert(src, s, priority, mode, threshold, False)
+        if status:  # not the usual slots: the full check names the fault, or accepts them
+            slots = self._slots
+            slots.check(s)
+            slots.check_duplicates(s[:dup], [torch.from_numpy(cached)])
+            slots.check_unowned(s[dup:])
+            status, dup, _, splits, backups, _ = t.core.insert(src, s, priority, mode, threshold, True)
+        if splits:
+            self._after_splits(splits)
+        if backups:
+            self._backup_many([t.node(i) for i in backups])
+        return dup
+
+    def _after_splits(self, splits: list[tuple[int, int, int]]) -> None:
+        """The Python-side state of nodes the core split (a node without a handle has none): the upper
+        node inherits the locks, the first ``at`` host slots and a lost mark, as ``_split`` does."""
+        t = self._tree
+        for lower_id, upper_id, at in splits:
+            lower = t._handles.get(lower_id)
+            if lower is None:
+                continue
+            upper = t.node(upper_id)
+            upper.lock_ref = lower.lock_ref
+            host = lower._host
+            if host is not None:
+                upper._host, lower._host = host[:at], host[at:]
+            if lower_id in self._lost:
+                self._lost[upper_id] = upper
+
+    def _node_length(self, node: Any) -> int:
+        return node.num_tokens if self._tree is not None else len(node.key)
+
+    def _child_nodes(self, node: Any) -> list:
+        if self._tree is not None:
+            return [self._tree.node(c) for c in self._tree.core.children(node.id)]
+        return list(node.children.values())
+
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (e.g. while a request uses the prefix)."""
@@ -336,10 +442,13 @@ class HiRadixCache(CopyAcks):
     # ------------------------------------------------------------------ eviction
     def _nodes(self, start: TreeNode | None = None):
         """Every node below ``start`` (default: the root), ``start`` itself excluded."""
+        if self._tree is not None:
+            t = self._tree
+            return [t.node(i) for i in t.core.subtree((start or self.root).id)]
         return subtree(start or self.root)
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        return node.value is not None and all(c.value is None for c in node.children.values())
+        return not node.evicted and all(c.evicted for c in self._child_nodes(node))
 
     def _delete(self, node: TreeNode) -> None:
         """Remove ``node`` and its subtree, freeing every slot they own (none may be in flight)."""
@@ -348,9 +457,12 @@ class HiRadixCache(CopyAcks):
                 self._slots.free(x.value)
             if x.host_value is not None:
                 self.host_pool.free(x.host_value)
-                self.metrics.host_evicted_tokens += len(x.key)
+                self.metrics.host_evicted_tokens += self._node_length(x)
             x.value = x.host_value = None
-        del node.parent.children[node.key[: self.page_size]]
+        if self._tree is not None:
+            self._tree.remove(node)
+        else:
+            del node.parent.children[node.key[: self.page_size]]
 
     def _drop_device(self, node: TreeNode) -> None:
         """``node`` loses its device copy: host-only when backed up, else deleted (with its subtree)."""
@@ -368,7 +480,11 @@ class HiRadixCache(CopyAcks):
         :class:`CopyError` when a backup failed (nothing is evicted then).
         """
         self._check_open("evict")
-        heap = [(self.policy.key(n), n.id, n) for n in self._nodes() if self._is_device_leaf(n) and n.lock_ref == 0]
+        if self._tree is not None:
+            leaves = [self._tree.node(i) for i in self._tree.core.leaves(0)]
+        else:
+            leaves = [n for n in self._nodes() if self._is_device_leaf(n)]
+        heap = [(self.policy.key(n), n.id, n) for n in leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         chosen: list[TreeNode] = []
         chosen_ids: set[int] = set()
@@ -379,8 +495,8 @@ class HiRadixCache(CopyAcks):
             chosen_ids.add(x.id)
             planned += len(x.value)
             parent = x.parent
-            if parent is not self.root and parent.lock_ref == 0 and parent.value is not None:
-                if all(c.value is None or c.id in chosen_ids for c in parent.children.values()):
+            if parent is not self.root and parent.lock_ref == 0 and not parent.evicted:
+                if all(c.evicted or c.id in chosen_ids for c in self._child_nodes(parent)):
                     heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
         if self.write_policy == "write_back":
             pending = [x for x in chosen if x.host_value is None]
@@ -399,11 +515,11 @@ class HiRadixCache(CopyAcks):
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host slots if possible by deleting host-only leaves."""
         self._check_open("evict_host")
-        heap = [
-            (self.policy.key(n), n.id, n)
-            for n in self._nodes()
-            if n.value is None and not n.children and n.lock_ref == 0
-        ]
+        if self._tree is not None:
+            leaves = [self._tree.node(i) for i in self._tree.core.leaves(1)]
+        else:
+            leaves = [n for n in self._nodes() if n.evicted and not n.children]
+        heap = [(self.policy.key(n), n.id, n) for n in leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -411,11 +527,17 @@ class HiRadixCache(CopyAcks):
             parent = x.parent
             freed += len(x.host_value)
             self._delete(x)
-            if parent is not self.root and parent.value is None and not parent.children and parent.lock_ref == 0:
+            if parent is not self.root and parent.evicted and not self._child_nodes(parent) and parent.lock_ref == 0:
                 heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
         return freed
 
     # ------------------------------------------------------------------ load-back
+    def _attached(self, node: Any) -> bool:
+        """``node`` is a node of this tree, still in it."""
+        if self._tree is not None:
+            return isinstance(node, CompiledNode) and self._tree.attached(node)
+        return isinstance(node, TreeNode) and is_attached(self.root, node, self.page_size)
+
     def load_back(self, node: TreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
         """Bring the host-only part of the prefix ending at ``node`` back to device slots.
 
@@ -430,24 +552,25 @@ class HiRadixCache(CopyAcks):
         deleted it: match again); ``RuntimeError`` after :meth:`close`.
         """
         self._check_open("load_back")
-        if not isinstance(node, TreeNode):
+        if not isinstance(node, (TreeNode, CompiledNode)):
             raise TypeError(f"node: expected a TreeNode (a MatchResult's last_host_node), got {type(node).__name__}")
         if mem_quota is not None and (
             isinstance(mem_quota, bool) or not isinstance(mem_quota, (int, np.integer)) or mem_quota < 0
         ):
             raise ValueError(f"mem_quota: expected None or a non-negative int of tokens, got {mem_quota!r}")
-        if not is_attached(self.root, node, self.page_size):
+        if not self._attached(node):
             raise ValueError(
                 f"node: {node} is no longer in the tree (its host copy was evicted after the match); "
                 "match the tokens again"
             )
         path: list[TreeNode] = []
         x = node
-        while x is not self.root and x.value is None:
+        while x is not self.root and x.evicted:
             path.append(x)
             x = x.parent
         path.reverse()
-        total = sum(len(n.key) for n in path)
+        lengths = [self._node_length(n) for n in path]
+        total = sum(lengths)
         if total == 0:
             return None
         if total < self.load_back_threshold or (mem_quota is not None and total > mem_quota):
@@ -483,9 +606,9 @@ class HiRadixCache(CopyAcks):
             return None
         self._slots.take(device)
         offset = 0
-        for n in path:
-            n.value = device[offset : offset + len(n.key)]
-            offset += len(n.key)
+        for n, length in zip(path, lengths, strict=True):
+            n.value = device[offset : offset + length]
+            offset += length
         self._inflight_loads[node.id] = (node, host, t0)
         self.metrics.load_backs += 1
         return device
@@ -498,11 +621,11 @@ class HiRadixCache(CopyAcks):
     # ------------------------------------------------------------------ state
     def evictable_size(self) -> int:
         """Device tokens in unlocked nodes."""
-        return sum(len(n.value) for n in self._nodes() if n.value is not None and n.lock_ref == 0)
+        return sum(self._node_length(n) for n in self._nodes() if n.lock_ref == 0 and not n.evicted)
 
     def protected_size(self) -> int:
         """Device tokens in locked nodes."""
-        return sum(len(n.value) for n in self._nodes() if n.value is not None and n.lock_ref > 0)
+        return sum(self._node_length(n) for n in self._nodes() if n.lock_ref > 0 and not n.evicted)
 
     def verify(self, external_device: torch.Tensor | None = None) -> None:
         """Check every invariant of the module docstring; raises AssertionError naming the first broken.

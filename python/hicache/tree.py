@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -73,22 +74,38 @@ class MatchResult:
     host_hit_length: int
 
 
+def _index_all(key: tuple) -> tuple[int, ...]:
+    try:
+        return tuple(map(operator.index, key))
+    except TypeError:
+        bad = next(t for t in key if not hasattr(type(t), "__index__"))
+        raise TypeError(f"tokens: expected integer token ids, got {type(bad).__name__}") from None
+
+
 def page_key(tokens: Any, page_size: int) -> tuple[int, ...]:
     """``tokens`` as a tuple of ints cut to whole pages: the one conversion of a tree call.
 
     A list or tuple whose first and last items are Python ints is taken as it is (``tuple()`` in C, no
-    per-token ``int()``); tensors and arrays go through ``tolist()``; anything else through ``int()``
-    per token. Equal ints compare and hash equal whatever their type, so this changes speed, never
-    which prefix matches.
+    per-token conversion); integer tensors and arrays go through ``tolist()``; anything else through
+    ``operator.index`` per token (numpy integers pass, floats raise ``TypeError`` naming ``tokens``).
+    Equal ints compare and hash equal whatever their type, so this changes speed, never which prefix
+    matches. A float inside a list whose ends are ints is kept as a token that no int equals (a miss,
+    never a wrong hit); the compiled core refuses it.
     """
     if type(tokens) is list or type(tokens) is tuple:
         key = tuple(tokens)
         if key and (type(key[0]) is not int or type(key[-1]) is not int):
-            key = tuple(map(int, key))
+            key = _index_all(key)
     elif isinstance(tokens, (torch.Tensor, np.ndarray)):
+        if tokens.ndim != 1 or (
+            tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool
+            if isinstance(tokens, torch.Tensor)
+            else tokens.dtype.kind not in "iu"
+        ):
+            raise TypeError(f"tokens: expected a 1-D integer tensor or array, got {tokens.dtype} {tuple(tokens.shape)}")
         key = tuple(tokens.tolist())
     else:
-        key = tuple(map(int, tokens))
+        key = _index_all(tuple(tokens))
     cut = len(key) % page_size
     return key[: len(key) - cut] if cut else key
 
