@@ -34,7 +34,8 @@ def test_info_json_schema() -> None:
     proc = run_info("--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert set(report) >= {"package", "build", "torch", "triton", "cuda", "gpus", "notes", "io_backends"}
+    assert set(report) >= {"package", "build", "torch", "triton", "cuda", "gpus", "notes", "io_backends", "tree_core"}
+    assert report["tree_core"]["core"] in ("compiled", "python") and report["tree_core"]["reason"]
     import hicache_kernels
 
     assert report["package"]["version"] == hicache_kernels.__version__
@@ -283,3 +284,14 @@ def test_an_old_driver_is_not_asked_for_coverage(monkeypatch: pytest.MonkeyPatch
     g = _env.GpuInfo(0, "NVIDIA H200", "9.0", 132, 139.8)
     _env._mark_coverage([g], can_launch=True)
     assert g.kernels_cover_arch is True and "binaryVersion" not in g.coverage
+
+
+def test_info_names_the_tree_core_and_a_bad_setting(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from hicache_kernels import info
+
+    monkeypatch.setenv("HICACHE_TREE_CORE", "python")
+    assert info.main([]) == 0
+    assert "hicache radix-tree core: python (asked for (HICACHE_TREE_CORE=python))" in capsys.readouterr().out
+    monkeypatch.setenv("HICACHE_TREE_CORE", "quick")
+    assert info.main([]) == 0
+    assert "hicache radix-tree core: none (ValueError: HICACHE_TREE_CORE: expected one of" in capsys.readouterr().out
