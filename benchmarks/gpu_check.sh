@@ -4,6 +4,8 @@
 #   stage 1 (must fit 5 minutes on an H200): build for the local arch -> info -> the gpu_smoke tests
 #           -> the bench points that decide targets 1-3 (bench --targets-core) -> targets
 #           -> host overhead per call (bench --host-overhead; CPU-side, seconds)
+#           -> the data-path designs side by side (register kernel, bulk-staging kernel, staged copy
+#              engines, direct, batch at page 16, SM budgets 1-8: bench_designs.json), if time is left
 #   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> compute-sanitizer
 #           memcheck on the smoke set -> pcie --quick -> bench --quick (interference, overlap, auto)
 #
@@ -13,7 +15,7 @@
 # for the whole script); a step that would start with less than 20 s left is not started. Results go
 # to OUT_DIR as they are made, and summary.txt is rewritten after every step, so a run cut short still
 # leaves what finished. Files (at most 8): gpu_check.log (every step's output), summary.txt, info.json,
-# bench_core.json, host_overhead.json, bench_quick.json, pcie.json. The summary ends with the targets
+# bench_core.json, host_overhead.json, bench_designs.json, bench_quick.json, pcie.json. The summary ends with the targets
 # read from each bench JSON (host overhead: targets 7-11, shown, not a failed step).
 #
 # --dry-run: on a CPU machine, run every step's command with CPU stand-ins (sm_90 assumed; pytest steps
@@ -117,6 +119,9 @@ if [ "$STAGE" != 2 ]; then
   step bench-core 120 $PY -m hicache_kernels.bench --targets-core --refcheck --json "$OUT/bench_core.json"
   step targets 20 $PY -m hicache_kernels.targets "$OUT/bench_core.json"
   step host-overhead 60 $PY -m hicache_kernels.bench --host-overhead --calls 500 --json "$OUT/host_overhead.json"
+  step bench-designs 90 $PY -m hicache_kernels.bench --backends kernel,kernel-bulk,staged,direct,batch \
+    --page-sizes 16 --layouts page_first_direct --tokens 2048 --sm-sweep 1,2,4,8 --repeats 5 --warmup 2 \
+    --refcheck --json "$OUT/bench_designs.json"
 fi
 if [ "$STAGE" != 1 ]; then
   step gpu-tests 240 "${PYTEST[@]}" -rf -m gpu --maxfail=30 --timeout=60 tests
@@ -136,7 +141,7 @@ fi
 write_summary
 {
   cat "$SUMMARY"
-  for f in bench_core host_overhead bench_quick; do
+  for f in bench_core host_overhead bench_designs bench_quick; do
     if [ -s "$OUT/$f.json" ]; then
       echo
       echo "Targets read from $f.json:"

@@ -189,10 +189,15 @@ def evaluate(doc: dict[str, Any]) -> list[dict[str, Any]]:
                          None if worst_ratio is None else worst_ratio <= T4_MAX_RATIO,
                          "" if worst_auto is None else _where(worst_auto)))  # fmt: skip
 
-    inter = [p for p in pts if p.get("kind") == "interference" and p["backend"] == "kernel"]
+    # The kernel at the SM budgets target 1 allows (interference is also measured at larger budgets,
+    # for the record; a kernel given more SMs is expected to take more from a GEMM).
+    inter = [p for p in pts if p.get("kind") == "interference" and p["backend"] == "kernel"
+             and (p.get("sm_budget") is None or p["sm_budget"] <= T1_MAX_SMS)]  # fmt: skip
     worst_inter = max(inter, key=lambda p: p["slowdown"], default=None)
-    rows.append(_row("GEMM slowdown beside a kernel transfer", None if worst_inter is None else worst_inter["slowdown"],
-                     "<= 0.05", None if worst_inter is None else worst_inter["slowdown"] <= 0.05))  # fmt: skip
+    rows.append(_row(f"GEMM slowdown beside a kernel transfer, <= {T1_MAX_SMS} SMs",
+                     None if worst_inter is None else worst_inter["slowdown"], "<= 0.05",
+                     None if worst_inter is None else worst_inter["slowdown"] <= 0.05,
+                     "" if worst_inter is None else f"at {worst_inter.get('sm_budget')} SMs"))  # fmt: skip
 
     over = [p for p in pts if p.get("kind") == "overlap"]
     applicable = [p for p in over if p.get("transfer_le_compute")]

@@ -875,3 +875,27 @@ def test_points_and_ceilings_run_on_the_timer_stream_on_gpu(monkeypatch):
     assert all(p["refcheck"] for p in points)
     assert {(s.cuda_stream, plan_stream) for s, plan_stream in seen} == {(side.cuda_stream, None)}
     assert torch.cuda.current_stream().cuda_stream != side.cuda_stream  # restored
+
+
+def test_format_tuned_names_every_bucket_in_order():
+    from hicache_kernels.bench import results
+
+    tuned = {"kernel_max_fragment_bytes": 65536, "sm_budget": 4,
+             "table": {"h2d": {"1048576": ["staged", "kernel"], "512": ["kernel", "kernel-bulk", "direct"]},
+                       "d2h": {"4096": ["kernel-bulk", "batch"]}}}  # fmt: skip
+    assert results.format_tuned(tuned) == [
+        "auto: designs ranked per direction and fragment size (kernel designs at 4 SMs):",
+        "  d2h  fragments >=    4 KiB: kernel-bulk > batch",
+        "  h2d  fragments >=    512 B: kernel > kernel-bulk > direct",
+        "  h2d  fragments >=    1 MiB: staged > kernel",
+        "  kernel_max_fragment_bytes: 65536",
+    ]
+
+
+def test_interference_budgets():
+    import argparse
+
+    from hicache_kernels.bench.interference import interference_budgets
+
+    assert interference_budgets(argparse.Namespace(sm_budget=4, sm_sweep="1,2,4,8")) == [1, 2, 4, 8]
+    assert interference_budgets(argparse.Namespace(sm_budget=3, sm_sweep="")) == [3]

@@ -14,7 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STAGE1 = ("build", "info", "gpu-smoke", "bench-core", "targets", "host-overhead")
+STAGE1 = ("build", "info", "gpu-smoke", "bench-core", "targets", "host-overhead", "bench-designs")
 STAGE2 = ("gpu-tests", "sanitizer", "pcie-quick", "bench-quick")
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the real script runs on a GPU machine")
 

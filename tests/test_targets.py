@@ -71,7 +71,9 @@ def test_misses_are_reported_with_the_worst_point():
         point("kernel", 1.0, page=64, sm=8),  # more than 4 SMs: does not count for target 1
         point("auto", 1.2, page=64),
         point("direct", 1.0, page=64),
-        {"kind": "interference", "backend": "kernel", "slowdown": 0.09},
+        {"kind": "interference", "backend": "kernel", "slowdown": 0.09, "sm_budget": 4},
+        {"kind": "interference", "backend": "kernel", "slowdown": 0.3, "sm_budget": 16},  # beyond target 1's SMs
+        {"kind": "interference", "backend": "kernel", "slowdown": 0.04, "sm_budget": 1},
         {"kind": "interference", "backend": "direct", "slowdown": 0.5},  # only the kernel's counts
         {"kind": "overlap", "overlap_ratio": 1.3, "transfer_le_compute": True},
     ]
@@ -83,7 +85,8 @@ def test_misses_are_reported_with_the_worst_point():
     batch = by["kernel / batch, fragments <= 4 KiB"]
     assert (batch["status"], batch["measured"]) == ("MISS", 1.5)  # 1 KiB item x page 1; page 64 is too large
     assert by["auto time / best backend's time"]["measured"] == 1.2
-    assert by["GEMM slowdown beside a kernel transfer"]["measured"] == 0.09
+    inter = by["GEMM slowdown beside a kernel transfer, <= 4 SMs"]
+    assert (inter["measured"], inter["status"], inter["worst_at"]) == (0.09, "MISS", "at 4 SMs")
     assert by["overlapped load / compute-only"]["status"] == "MISS"
 
 

@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         tuned = sweep.tune_auto(points, args.sm_budget)
         saved = AutoBackend(thresholds=tuned, path=Path(args.tune_auto) if args.tune_auto else None).save()
         meta["auto_thresholds"] = tuned
-        print(f"auto thresholds {tuned} saved to {saved}")
+        for line in results.format_tuned(tuned):
+            print(line)
+        print(f"auto's table saved to {saved}")
     for line in benchutil.write_outputs(args.json, args.csv, meta, points):
         print(line)
     if args.plot:
@@ -110,7 +112,8 @@ def _print_notes(points: list[dict]) -> None:
                   f"{p['batch_fallback']}; targets 3 and 4 fail on this point")  # fmt: skip
     for p in points:
         if p["kind"] == "interference":
-            print(f"GEMM slowdown beside {p['backend']}: {100 * p['slowdown']:.1f}% "
+            sms = "" if p.get("sm_budget") is None else f" at {p['sm_budget']} SMs"
+            print(f"GEMM slowdown beside {p['backend']}{sms}: {100 * p['slowdown']:.1f}% "
                   f"({p['gemm_alone_ms']:.3f} -> {p['gemm_beside_ms']:.3f} ms)")  # fmt: skip
         elif p["kind"] == "overlap":
             print(f"layer-wise overlap ({p['backend']}): compute {p['compute_ms']:.2f} ms, load-then-compute "

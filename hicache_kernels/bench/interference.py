@@ -31,8 +31,16 @@ def _transfer_loop(run: Callable[[], None], stream: Any, stop: threading.Event) 
             stream.synchronize()
 
 
+def interference_budgets(args: argparse.Namespace) -> list[int]:
+    """SM budgets the kernel designs' interference is measured at: ``--sm-budget`` and every count of
+    ``--sm-sweep``, ascending."""
+    sweep = [int(x) for x in str(args.sm_sweep or "").split(",") if x.strip()]
+    return sorted({int(args.sm_budget), *sweep})
+
+
 def interference(args: argparse.Namespace, model: ModelConfig, backends: list[str], repeats: int) -> list[dict]:
-    """GEMM time alone and beside a continuously running backup on another stream, per backend."""
+    """GEMM time alone and beside a continuously running backup on another stream, per backend, and
+    for the SM-budgeted designs (``kernel``, ``kernel-bulk``) per budget of :func:`interference_budgets`."""
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(args.seed)
     work = Workload(model, args.tokens, device, pin=True)
@@ -46,9 +54,10 @@ def interference(args: argparse.Namespace, model: ModelConfig, backends: list[st
 
     alone = benchutil.measure(gemm, timer=timer, repeats=repeats, warmup=3)
     points = []
-    for name in backends:
-        spec = PointSpec(model, name, "backup_all", "page_first_direct", 16, max(1, args.tokens // 16),
-                         None if name in UNBUDGETED_BACKENDS else args.sm_budget)  # fmt: skip
+    runs = [(name, None if name in UNBUDGETED_BACKENDS else sms) for name in backends
+            for sms in ([None] if name in UNBUDGETED_BACKENDS else interference_budgets(args))]  # fmt: skip
+    for name, sms in runs:
+        spec = PointSpec(model, name, "backup_all", "page_first_direct", 16, max(1, args.tokens // 16), sms)
         side = torch.cuda.Stream()
         pw = transfer_fn(spec, work, gen)
         with torch.cuda.stream(side):

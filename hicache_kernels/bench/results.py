@@ -142,3 +142,21 @@ def link_check_meta(link_gbps: float | None, why_not: str, problem: str | None =
         return {**check, "passed": False, "note": problem}
     limit = link_gbps * (1 + LINK_TOLERANCE)
     return {**check, "passed": True, "note": f"every ceiling and point <= {limit:.2f} GB/s"}
+
+
+def format_tuned(tuned: dict) -> list[str]:
+    """``bench --tune-auto``'s result as lines: per direction, each fragment-size bucket's designs
+    fastest first, then the single kernel-vs-copy-engine threshold."""
+    lines = [f"auto: designs ranked per direction and fragment size (kernel designs at {tuned.get('sm_budget')} SMs):"]
+    for direction, buckets in sorted(tuned.get("table", {}).items()):
+        for bucket, ranking in sorted(buckets.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"  {direction}  fragments >= {_size(int(bucket)):>8}: {' > '.join(ranking)}")
+    lines.append(f"  kernel_max_fragment_bytes: {tuned.get('kernel_max_fragment_bytes')}")
+    return lines
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
