@@ -361,6 +361,17 @@ class PyRadixTree {
     return out;
   }
 
+  int64_t child_for(int64_t parent, py::handle tokens) {
+    token_ids(tokens, tree_.page_size(), &key_);
+    return tree_.child_for(parent, key_.data());
+  }
+
+  int64_t add_child(int64_t parent, py::handle tokens) {
+    const int64_t n = static_cast<int64_t>(py::len(tokens));
+    token_ids(tokens, n, &key_);
+    return tree_.add_child(parent, key_.data(), n);
+  }
+
   hicache::RadixTree& core() { return tree_; }
 
  private:
@@ -455,6 +466,10 @@ void bind_radix_tree(py::module_& m) {
       .def("slots", &PyRadixTree::slots, py::arg("id"))
       .def("set_slots", &PyRadixTree::set_slots, py::arg("id"), py::arg("value"))
       .def("key", &PyRadixTree::key, py::arg("id"))
+      .def("child_for", &PyRadixTree::child_for, py::arg("parent"), py::arg("tokens"),
+           "id of parent's child whose key starts with the first page of tokens, or -1")
+      .def("add_child", &PyRadixTree::add_child, py::arg("parent"), py::arg("tokens"),
+           "a new child of parent keyed by tokens, without device slots; returns its id")
       .def(
           "alive", [](PyRadixTree& t, int64_t id) { return t.core().alive(id); }, py::arg("id"))
       .def(

@@ -199,6 +199,29 @@ void RadixTree::set_meta(int64_t id, int which, int64_t value) {
   }
 }
 
+int64_t RadixTree::child_for(int64_t parent, const int64_t* page) const {
+  const int32_t c = find_child(ix(parent), page);
+  return c < 0 ? -1 : nodes_[c].id;
+}
+
+int64_t RadixTree::add_child(int64_t parent, const int64_t* key, int64_t n) {
+  const int32_t p = ix(parent);
+  if (n <= 0 || n % page_size_) {
+    throw std::invalid_argument("key: expected a positive multiple of page_size " +
+                                std::to_string(page_size_) + " tokens, got " + std::to_string(n));
+  }
+  if (find_child(p, key) >= 0) {
+    throw std::invalid_argument("key: node " + std::to_string(parent) +
+                                " already has a child starting with this page");
+  }
+  const int32_t k = new_node();
+  Node& x = nodes_[k];
+  x.key.assign(key, key + n);
+  x.creation = x.last_access = ++clock_;
+  link(p, k);
+  return x.id;
+}
+
 std::vector<int64_t> RadixTree::remove(int64_t id) {
   if (id == 0) throw std::invalid_argument("node: the root cannot be removed");
   int32_t top = ix(id);

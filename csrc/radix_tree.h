@@ -86,6 +86,11 @@ class RadixTree {
   bool flag(int64_t id, int which) const;
   int64_t meta(int64_t id, int which) const;  // 0 hit_count, 1 last_access, 2 creation, 3 priority
   void set_meta(int64_t id, int which, int64_t value);
+  // The child of `parent` whose key starts with `page` (page_size tokens), or -1.
+  int64_t child_for(int64_t parent, const int64_t* page) const;
+  // A new child of `parent` with key[0:n) (n a multiple of the page size, its first page not a key
+  // of another child) and no device slots, created and last accessed now; returns its id.
+  int64_t add_child(int64_t parent, const int64_t* key, int64_t n);
   // Remove id and its subtree; returns the removed ids (id first). The root cannot be removed.
   std::vector<int64_t> remove(int64_t id);
 

@@ -76,6 +76,7 @@ class CopyAcks:
             node, host = self._inflight_writes.pop(node_id)
             if error is None:
                 self.host_pool.mark_synced(host)
+                self._after_host_copy(node, host)  # the storage tier's backup, when there is one
             else:  # the host copy is incomplete: drop it, the node keeps its device copy
                 for x in copy_chain(self.root, node, host):
                     x.host_value = None
@@ -109,6 +110,7 @@ class CopyAcks:
         Returns how many were processed; raises :class:`CopyError` after rolling back failed ones."""
         failures: list = []
         n = self._take_writes(failures)
+        self._take_storage()  # storage backups that finished: their nodes unlock (no collective without storage)
         self._raise(failures)
         return n
 
@@ -124,6 +126,7 @@ class CopyAcks:
         failures: list = []
         self._take_writes(failures)
         self._take_loads(failures)
+        self._take_storage()
         self._raise(failures)
 
     def _release_lost(self: HiRadixCache) -> None:

@@ -57,6 +57,13 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
             )
         for node, *_ in recs.values():
             inflight_at[node.id] += 1
+    # Storage backups and prefetches in flight hold a lock on their node (a prefetch on the node its
+    # pages continue; the root takes no locks).
+    for node_id, nodes in getattr(cache, "_inflight_storage", {}).items():
+        inflight_at[node_id] += len(nodes)
+    for p in getattr(cache, "_prefetch_ops", {}).values():
+        if p.node is not root:
+            inflight_at[p.node.id] += 1
 
     for n in cache._nodes():
         if n.value is None and n.host_value is None:
@@ -102,6 +109,12 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
             if not owners <= chain:
                 _fail(f"{kind} in flight for {node}: its host slots are owned by nodes {sorted(owners - chain)}")
             expected[host.numpy()] = state
+    # Prefetches in flight (and stopped ones whose I/O thread still holds slots): RESERVED, no owner.
+    for p in [*getattr(cache, "_prefetch_ops", {}).values(), *getattr(cache, "_zombies", [])]:
+        held = p.host_slots.numpy()
+        if (host_owner.numpy()[held] != 0).any():
+            _fail(f"prefetch {p.request_id!r}: its host slots are owned by a node")
+        expected[held] = SlotState.RESERVED
     states = cache.host_pool.state().numpy()
     if not np.array_equal(states, expected):
         bad = np.flatnonzero(states != expected)[:5]

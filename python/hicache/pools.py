@@ -617,6 +617,22 @@ class HostKVPool:
             },
         )
 
+    def mark_filled(self, slots: torch.Tensor) -> None:
+        """``RESERVED -> SYNCED``: ``slots`` were written outside the controller (a storage read that
+        completed) and now hold valid data."""
+        self._slots.transition(
+            "mark_filled",
+            slots,
+            (SlotState.RESERVED,),
+            SlotState.SYNCED,
+            {
+                SlotState.FREE: "slot not allocated",
+                SlotState.WRITING: "a backup into it is in flight (WRITING)",
+                SlotState.SYNCED: "already holds valid data (SYNCED)",
+                SlotState.LOADING: "a load from it is in flight",
+            },
+        )
+
     def abort_write(self, slots: torch.Tensor) -> None:
         """``WRITING -> RESERVED``: the backup into ``slots`` failed or was dropped, so they hold no valid
         data; the owner frees them (or retries)."""

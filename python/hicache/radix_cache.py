@@ -52,6 +52,9 @@ from .invariants import check_invariants
 from .policies import EvictionPolicy, get_policy
 from .pools import DeviceKVPool, HostKVPool
 from .slot_check import TreeDeviceSlots
+from .storage import StorageBackend
+from .storage.tier import PrefetchPolicy
+from .storage_ops import StorageOps
 from .tree import MatchResult, TreeNode, is_attached, match_path, page_key, subtree
 from .tree_core import TOUCH, CompiledNode, CompiledTree, choose_core, token_source
 
@@ -79,7 +82,7 @@ class _LostNodes(dict):
             self.core.set_flag(node_id, 1, False)
 
 
-class HiRadixCache(CopyAcks):
+class HiRadixCache(CopyAcks, StorageOps):
     """A two-tier radix cache (see module docstring).
 
     Parameters
@@ -96,6 +99,13 @@ class HiRadixCache(CopyAcks):
         ``"auto"``), ``"compiled"`` or ``"python"``: which core holds the tree (:mod:`hicache.tree_core`).
         ``auto`` takes the compiled core when the extension is built; ``compiled`` raises
         ``RuntimeError`` naming why it cannot. ``tree_core`` / ``tree_core_reason`` tell the choice.
+    storage : the storage tier below the host pool (:mod:`hicache.storage_ops`): a
+        :class:`~hicache.storage.StorageBackend`, or a backend name / ``module:Class`` built with
+        ``storage_config`` (a dict or a JSON/TOML path). None (default): no storage tier.
+    model_id : required with ``storage``: names the weights in the page keys' namespace.
+    storage_salt : optional; caches with different salts never share stored pages.
+    prefetch_policy : ``best_effort`` (default), ``wait_complete``, ``timeout``, or a
+        :class:`~hicache.storage.tier.PrefetchPolicy` (thresholds, timeouts, host-slot cap).
     """
 
     def __init__(
@@ -112,6 +122,11 @@ class HiRadixCache(CopyAcks):
         load_back_threshold: int = 10,
         write_through_threshold: int = 2,
         tree_core: str | None = None,
+        storage: str | StorageBackend | None = None,
+        storage_config: Any = None,
+        model_id: str | None = None,
+        storage_salt: str | None = None,
+        prefetch_policy: str | PrefetchPolicy = "best_effort",
     ) -> None:
         if host_pool.page_size != device_pool.page_size:
             raise ValueError(
@@ -150,6 +165,12 @@ class HiRadixCache(CopyAcks):
         self._inflight_loads: dict[int, tuple[TreeNode, torch.Tensor, float]] = {}
         # Nodes whose load-back failed while others held them locked: device KV lost, dropped at the last unlock.
         self._lost: dict[int, Any] = _LostNodes(None if self._tree is None else self._tree.core)
+        try:
+            self._init_storage(storage, storage_config, model_id, storage_salt, prefetch_policy)
+        except BaseException:
+            if self._owns_controller:
+                self.controller.close(drain=False)
+            raise
 
     @property
     def metrics(self) -> CacheMetrics:
@@ -186,6 +207,8 @@ class HiRadixCache(CopyAcks):
         if child.id in self._lost:
             self._lost[upper.id] = upper
         child.parent.children[child.key[: self.page_size]] = upper
+        if self._node_keys:
+            self._split_keys(child.id, upper.id, at)
         child.key = child.key[at:]
         child.parent = upper
         upper.children[child.key[: self.page_size]] = child
@@ -394,6 +417,8 @@ class HiRadixCache(CopyAcks):
         node inherits the locks, the first ``at`` host slots and a lost mark, as ``_split`` does."""
         t = self._tree
         for lower_id, upper_id, at in splits:
+            if self._node_keys:
+                self._split_keys(lower_id, upper_id, at)
             lower = t._handles.get(lower_id)
             if lower is None:
                 continue
@@ -438,6 +463,9 @@ class HiRadixCache(CopyAcks):
         self._check_open("flush")
         self.controller.flush()
         self._take_acks()
+        if self._storage is not None:  # the backups the acks above queued, too
+            self._storage.wait_backups()
+            self._take_storage()
 
     # ------------------------------------------------------------------ eviction
     def _nodes(self, start: TreeNode | None = None):
@@ -459,6 +487,7 @@ class HiRadixCache(CopyAcks):
                 self.host_pool.free(x.host_value)
                 self.metrics.host_evicted_tokens += self._node_length(x)
             x.value = x.host_value = None
+            self._node_keys.pop(x.id, None)
         if self._tree is not None:
             self._tree.remove(node)
         else:
@@ -662,7 +691,10 @@ class HiRadixCache(CopyAcks):
             self.controller.close(drain=drain, timeout=timeout)  # runs or drops what is queued, joins
         elif drain and not self.controller.closed:
             self.controller.flush()  # the controller stays open: it is not the cache's to close
-        self._take_acks()
+        try:
+            self._take_acks()
+        finally:
+            self._close_storage()
 
     def __enter__(self) -> HiRadixCache:
         return self

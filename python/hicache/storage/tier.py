@@ -1,0 +1,235 @@
+"""The storage tier's threads: backups of host pages to a :class:`StorageBackend`, and prefetches of
+stored pages into host slots. :class:`~hicache.radix_cache.HiRadixCache` drives it (``storage=``).
+
+Threads never call back into the tree: the backup thread acknowledges through a queue that the
+scheduler drains (:meth:`StorageTier.finished_backups`, the count agreed across TP ranks like the
+controller's copies); a prefetch is a :class:`Prefetch` whose progress the scheduler reads. A backend
+that raises is a failure of that batch (counted, logged once per kind), never an exception in the
+scheduler; a backend that hangs holds only its prefetch's host slots, which are released when the call
+returns (the request goes ahead without them).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .base import StorageBackend
+from .keys import Namespace
+
+__all__ = ["PREFETCH_POLICIES", "Prefetch", "PrefetchPolicy", "StorageTier"]
+
+log = logging.getLogger("hicache.storage")
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """When a prefetch stops, and which prefetches start.
+
+    name : ``best_effort`` (stop when the scheduler asks, keep the pages that landed),
+        ``wait_complete`` (only when every page is read or failed), ``timeout`` (when complete, or at
+        ``min(timeout_max_s, timeout_base_s + timeout_per_1k_tokens_s * hit_tokens / 1000)``).
+    threshold_tokens : a prefetch starts only for at least this many stored tokens (default 256).
+    max_host_tokens : cap on host slots held by prefetches in flight (None: no cap beyond the pool).
+    batch_pages : pages per backend call (default 128).
+    """
+
+    name: str = "best_effort"
+    timeout_base_s: float = 1.0
+    timeout_per_1k_tokens_s: float = 0.25
+    timeout_max_s: float = 10.0
+    threshold_tokens: int = 256
+    max_host_tokens: int | None = None
+    batch_pages: int = 128
+
+    def __post_init__(self) -> None:
+        if self.name not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy: expected one of {', '.join(PREFETCH_POLICIES)}, got {self.name!r}")
+        for name in ("timeout_base_s", "timeout_per_1k_tokens_s", "timeout_max_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)!r}")
+        if self.threshold_tokens < 0:
+            raise ValueError(f"threshold_tokens: expected >= 0, got {self.threshold_tokens}")
+        if self.max_host_tokens is not None and self.max_host_tokens < 0:
+            raise ValueError(f"max_host_tokens: expected None or >= 0, got {self.max_host_tokens}")
+        if self.batch_pages < 1:
+            raise ValueError(f"batch_pages: expected >= 1, got {self.batch_pages}")
+
+    def deadline(self, start: float, hit_tokens: int) -> float:
+        return start + min(self.timeout_max_s, self.timeout_base_s + self.timeout_per_1k_tokens_s * hit_tokens / 1000)
+
+
+@dataclass
+class Prefetch:
+    """One prefetch in flight: ``keys`` read into ``host_slots`` (whole pages, in order) by the I/O
+    thread, batch by batch; ``landed`` counts the leading pages read so far (a failed page ends it)."""
+
+    request_id: Any
+    node: Any  # the host node the pages continue (locked while in flight)
+    tokens: list[int]  # the tokens of the pages, page-aligned
+    keys: list[str]
+    host_slots: torch.Tensor
+    start: float
+    deadline: float
+    landed: int = 0
+    failed: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)  # the I/O thread is done with it
+
+    @property
+    def complete(self) -> bool:
+        return self.finished.is_set()
+
+
+class StorageTier:
+    """A backend bound to a host pool, its namespace, and the backup and prefetch threads.
+
+    Parameters
+    ----------
+    backend : the :class:`StorageBackend` (attached to ``host_pool`` here).
+    host_pool : the cache's :class:`~hicache.pools.HostKVPool`.
+    namespace : the :class:`Namespace` the page keys are rooted in; decides whether this rank writes
+        (:attr:`Namespace.writer`: MLA pages only from rank 0).
+    agree_min : the controller's TP agreement (minimum over ranks, always issued).
+    policy : the :class:`PrefetchPolicy`.
+    """
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        host_pool: Any,
+        namespace: Namespace,
+        agree_min: Callable[[int], int],
+        policy: PrefetchPolicy | None = None,
+    ) -> None:
+        if not isinstance(backend, StorageBackend):
+            raise TypeError(f"storage: expected a StorageBackend (or a backend name), got {type(backend).__name__}")
+        self.backend = backend.attach(host_pool)
+        self.host_pool = host_pool
+        self.namespace = namespace
+        self.root_digest = namespace.digest.hex()
+        self.agree_min = agree_min
+        self.policy = policy or PrefetchPolicy()
+        self.page_size = host_pool.page_size
+        self._backups: queue.Queue = queue.Queue()
+        self._backup_acks: queue.Queue = queue.Queue()
+        self._prefetches: queue.Queue = queue.Queue()
+        self._logged: set[str] = set()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._backup_loop, name="hicache-storage-backup", daemon=True),
+            threading.Thread(target=self._prefetch_loop, name="hicache-storage-prefetch", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ faults
+    def _fault(self, kind: str, exc: BaseException) -> None:
+        if kind not in self._logged:  # once per kind: a dead store must not flood the log
+            self._logged.add(kind)
+            log.warning("hicache storage %s failed (counted as misses from now on, logged once): %r", kind, exc)
+
+    # ------------------------------------------------------------------ backups
+    def submit_backup(self, node_id: int, keys: list[str], host_slots: torch.Tensor) -> None:
+        """Queue the pages ``host_slots`` (SYNCED, held by a locked node) under ``keys``."""
+        self._backups.put((node_id, keys, host_slots))
+
+    def _backup_loop(self) -> None:
+        ps, batch = self.page_size, self.policy.batch_pages
+        while True:
+            item = self._backups.get()
+            if item is None:
+                self._backups.task_done()
+                return
+            node_id, keys, slots = item
+            written = skipped = 0
+            error: BaseException | None = None
+            t0 = time.perf_counter()
+            if self.namespace.writer:
+                try:
+                    for i in range(0, len(keys), batch):
+                        bk, bs = keys[i : i + batch], slots[i * ps : (i + batch) * ps]
+                        present = self.backend.batch_exists(bk)  # already stored (by us or another instance)
+                        skipped += present
+                        if present < len(bk):
+                            ok = self.backend.batch_set_from(bk[present:], bs[present * ps :])
+                            written += sum(map(bool, ok))
+                except Exception as exc:  # noqa: BLE001 - a store fault is a failed backup, not a crash
+                    self._fault("backup", exc)
+                    error = exc
+            self._backup_acks.put((node_id, written, skipped, len(keys), time.perf_counter() - t0, error))
+            self._backups.task_done()
+
+    def finished_backups(self) -> list[tuple[int, int, int, int, float, BaseException | None]]:
+        """Backups finished on every rank (agreed count), in submission order:
+        ``(node_id, pages_written, pages_already_stored, pages, seconds, error)``."""
+        n = self.agree_min(self._backup_acks.qsize())
+        return [self._backup_acks.get_nowait() for _ in range(n)]
+
+    def wait_backups(self) -> None:
+        """Block until every queued backup ran (its ack still needs :meth:`finished_backups`)."""
+        self._backups.join()
+
+    # ------------------------------------------------------------------ prefetches
+    def stored_pages(self, keys: list[str]) -> int:
+        """Leading ``keys`` stored (0 when the backend fails: a miss)."""
+        try:
+            return int(self.backend.batch_exists(keys))
+        except Exception as exc:  # noqa: BLE001
+            self._fault("exists", exc)
+            return 0
+
+    def start_prefetch(self, p: Prefetch) -> None:
+        self._prefetches.put(p)
+
+    def _prefetch_loop(self) -> None:
+        ps, batch = self.page_size, self.policy.batch_pages
+        while True:
+            p = self._prefetches.get()
+            if p is None:
+                return
+            try:
+                for i in range(0, len(p.keys), batch):
+                    if p.cancel.is_set():
+                        break
+                    bk = p.keys[i : i + batch]
+                    try:
+                        ok = self.backend.batch_get_into(bk, p.host_slots[i * ps : (i + len(bk)) * ps])
+                    except Exception as exc:  # noqa: BLE001
+                        self._fault("get", exc)
+                        ok = [False] * len(bk)
+                    good = 0
+                    while good < len(bk) and ok[good]:
+                        good += 1
+                    p.landed = i + good  # leading pages only: a hole ends the prefix
+                    if good < len(bk):
+                        p.failed = True
+                        break
+            finally:
+                p.finished.set()
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the threads after the queued backups (prefetches must have been cancelled by the
+        cache). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._backups.put(None)
+        self._prefetches.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self.backend.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

@@ -1,0 +1,295 @@
+"""The storage tier seen from the tree: backups of host copies to storage, prefetches from it.
+
+Mixin of :class:`~hicache.radix_cache.HiRadixCache` (``storage=``). What it adds:
+
+- **Page keys on nodes**: a node's pages are keyed by the hash chain (:func:`hicache.storage.page_keys`)
+  continued from its parent's last page and rooted in the cache's :class:`~hicache.storage.Namespace`;
+  computed on first use, split with the node, dropped with it.
+- **Backups**: when a node's host copy lands (whatever the write policy: it decides when that
+  happens), its pages are queued for the backend; the node stays locked until the agreed ack, so host
+  eviction waits for it. Pages already stored are skipped; a failed backup is counted, never raised.
+- **Prefetches**: :meth:`prefetch_from_storage` after ``match_prefix`` keys the pages beyond the host
+  hit, asks the backend how many leading ones it has, agrees the number across TP ranks (MIN),
+  allocates host slots for that many only and hands them to the I/O thread;
+  :meth:`check_prefetch_progress` says when the request may be admitted (by the policy) and inserts
+  the pages that landed on every rank as a host-only node under the matched node, to be loaded to the
+  device as any host hit.
+- **TP**: every collective is issued on every rank the same number of times (the branches before them
+  depend only on the tokens and the agreed values), including when a rank's backend fails or hangs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .storage import Namespace, StorageBackend, create_backend, page_keys
+from .storage.tier import Prefetch, PrefetchPolicy, StorageTier
+from .tree import TreeNode, copy_chain
+
+if TYPE_CHECKING:
+    from .radix_cache import HiRadixCache
+
+# How long check_prefetch_progress waits for the I/O thread to let go of a stopped prefetch's slots.
+IO_GRACE_S = 2.0
+
+
+class StorageOps:
+    """Mixin of :class:`~hicache.radix_cache.HiRadixCache`: the storage tier (module docstring)."""
+
+    def _init_storage(
+        self: HiRadixCache,
+        storage: str | StorageBackend | None,
+        storage_config: Any,
+        model_id: str | None,
+        storage_salt: str | None,
+        prefetch_policy: str | PrefetchPolicy,
+    ) -> None:
+        self._storage: StorageTier | None = None
+        self._node_keys: dict[int, list[str]] = {}
+        self._inflight_storage: dict[int, list[TreeNode]] = {}  # node id -> the nodes of its backups
+        self._prefetch_ops: dict[Any, Prefetch] = {}
+        self._zombies: list[Prefetch] = []  # stopped, but the I/O thread still holds some of their slots
+        if storage is None:
+            return
+        if model_id is None or not isinstance(model_id, str) or not model_id:
+            raise ValueError("model_id: the storage tier needs the model's id (its bytes depend on the weights)")
+        policy = prefetch_policy if isinstance(prefetch_policy, PrefetchPolicy) else PrefetchPolicy(prefetch_policy)
+        backend = create_backend(storage, storage_config) if isinstance(storage, str) else storage
+        group = self.controller.tp_group
+        tp = {}
+        if group is not None:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            tp = {"tp_rank": dist.get_rank(group), "tp_size": dist.get_world_size(group)}
+        namespace = Namespace.for_pool(self.host_pool, model_id, salt=storage_salt, **tp)
+        self._storage = StorageTier(backend, self.host_pool, namespace, self.controller.agree_min, policy)
+
+    @property
+    def storage(self: HiRadixCache) -> StorageTier | None:
+        """The storage tier (None without ``storage=``)."""
+        return self._storage
+
+    # ------------------------------------------------------------------ keys
+    def _keys_of(self: HiRadixCache, node: Any) -> list[str]:
+        """The storage keys of ``node``'s pages (``ValueError`` for token ids outside ``[0, 2**32)``)."""
+        chain = []
+        x = node
+        while x is not self.root and x.id not in self._node_keys:
+            chain.append(x)
+            x = x.parent
+        prev = self._storage.root_digest if x is self.root else self._node_keys[x.id][-1]
+        for y in reversed(chain):
+            keys = page_keys(list(y.key), self.page_size, prev_digest=prev)
+            self._node_keys[y.id] = keys
+            prev = keys[-1]
+        return self._node_keys[node.id]
+
+    def _split_keys(self: HiRadixCache, lower_id: int, upper_id: int, at: int) -> None:
+        keys = self._node_keys.get(lower_id)
+        if keys is not None:
+            k = at // self.page_size
+            self._node_keys[upper_id], self._node_keys[lower_id] = keys[:k], keys[k:]
+
+    # ------------------------------------------------------------------ backups
+    def _after_host_copy(self: HiRadixCache, node: Any, host: torch.Tensor) -> None:
+        """A backup's host copy landed (SYNCED): queue its pages for storage, the node locked."""
+        if self._storage is None or self._storage.closed:
+            return
+        chain = copy_chain(self.root, node, host)  # the node and the halves split off it, bottom-up
+        try:
+            keys = [k for x in reversed(chain) for k in self._keys_of(x)]
+        except ValueError:  # token ids a key cannot hold: this prefix is not stored
+            return
+        if len(keys) * self.page_size != len(host):
+            return
+        self.inc_lock_ref(node)
+        self._inflight_storage.setdefault(node.id, []).append(node)
+        self._storage.submit_backup(node.id, keys, host)
+
+    def _take_storage(self: HiRadixCache) -> int:
+        """Process the storage backups finished on every rank: unlock their nodes, count."""
+        if self._storage is None:
+            return 0
+        done = self._storage.finished_backups()
+        m = self.metrics
+        page_bytes = self.host_pool.page_bytes
+        for node_id, written, skipped, _pages, seconds, error in done:
+            nodes = self._inflight_storage[node_id]
+            node = nodes.pop(0)
+            if not nodes:
+                del self._inflight_storage[node_id]
+            m.storage_pages_written += written
+            m.storage_pages_skipped += skipped
+            m.storage_bytes_written += written * page_bytes
+            m.storage_write_time_s += seconds
+            m.storage_backups_failed += int(error is not None)
+            self.dec_lock_ref(node)
+        return len(done)
+
+    def check_storage(self: HiRadixCache) -> int:
+        """Process finished storage backups (agreed across TP ranks): their nodes unlock. Returns how many.
+        A scheduler calls it each step beside ``check_writes``; failed backups are counted in
+        ``metrics.storage_backups_failed``, not raised."""
+        self._check_open("check_storage")
+        return self._take_storage()
+
+    # ------------------------------------------------------------------ prefetches
+    def prefetch_from_storage(self: HiRadixCache, request_id: Any, last_host_node: Any, tokens: Any) -> bool:
+        """Start reading the stored pages of ``tokens`` beyond ``last_host_node`` into host slots.
+
+        Parameters
+        ----------
+        request_id : any hashable; names the prefetch in :meth:`check_prefetch_progress`.
+        last_host_node : ``match_prefix(tokens).last_host_node``: the pages continue its prefix.
+        tokens : the request's token ids (a list or 1-D integer tensor), the matched prefix included.
+
+        Returns True when a prefetch started; False when there was nothing worth reading: fewer than
+        the policy's ``threshold_tokens`` beyond the match, fewer stored on some rank, or no host room
+        (all agreed across TP ranks). Raises ``RuntimeError`` without a storage tier or after
+        :meth:`close`, ``ValueError`` for a ``request_id`` already prefetching or a node no longer in
+        the tree; nothing changes then.
+        """
+        self._check_open("prefetch_from_storage")
+        tier = self._storage
+        if tier is None:
+            raise RuntimeError("prefetch_from_storage: this HiRadixCache has no storage tier (storage=...)")
+        if request_id in self._prefetch_ops:
+            raise ValueError(f"request_id: {request_id!r} already has a prefetch in flight")
+        if last_host_node is not self.root and not self._attached(last_host_node):
+            raise ValueError(f"last_host_node: {last_host_node} is not in the tree; match the tokens again")
+        self._reap_zombies()
+        ps = self.page_size
+        depth = 0
+        x = last_host_node
+        while x is not self.root:
+            depth += self._node_length(x)
+            x = x.parent
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        rest = ids[depth : len(ids) - len(ids) % ps]
+        policy = tier.policy
+        if len(rest) < max(policy.threshold_tokens, ps):
+            return False
+        try:
+            prev = tier.root_digest if last_host_node is self.root else self._keys_of(last_host_node)[-1]
+            keys = page_keys(rest, ps, prev_digest=prev)
+        except ValueError:
+            return False  # token ids no key can hold (the same on every rank)
+        hit = tier.stored_pages(keys)
+        if policy.max_host_tokens is not None:
+            held = sum(len(p.host_slots) for p in self._prefetch_ops.values())
+            hit = min(hit, max(0, policy.max_host_tokens - held) // ps)
+        hit = self.controller.agree_min(hit)
+        if hit * ps < max(policy.threshold_tokens, ps):
+            return False
+        self.inc_lock_ref(last_host_node)  # before making room: the node must not be evicted for it
+        slots = self.host_pool.alloc(hit * ps)
+        if slots is None:
+            self.evict_host(hit * ps - self.host_pool.available_size())
+            slots = self.host_pool.alloc(hit * ps)
+        if not self.controller.agree_min(slots is not None):
+            if slots is not None:
+                self.host_pool.free(slots)
+            self.dec_lock_ref(last_host_node)
+            return False
+        now = time.perf_counter()
+        p = Prefetch(request_id, last_host_node, rest[: hit * ps], keys[:hit], slots, now,
+                     policy.deadline(now, hit * ps))  # fmt: skip
+        self._prefetch_ops[request_id] = p
+        self.metrics.prefetches += 1
+        tier.start_prefetch(p)
+        return True
+
+    def check_prefetch_progress(self: HiRadixCache, request_id: Any) -> bool:
+        """Whether the request may be admitted: True once its prefetch is over by the policy (agreed
+        across TP ranks); the pages that landed on every rank are then in the tree as a host-only node
+        under the matched node (match again, then ``load_back``). ``ValueError`` for an unknown
+        ``request_id``."""
+        self._check_open("check_prefetch_progress")
+        p = self._prefetch_ops.get(request_id)
+        if p is None:
+            raise ValueError(f"request_id: no prefetch in flight for {request_id!r}")
+        policy = self._storage.policy
+        if policy.name == "best_effort":
+            local = True
+        elif policy.name == "wait_complete":
+            local = p.complete
+        else:
+            local = p.complete or time.perf_counter() >= p.deadline
+        if not self.controller.agree_min(local):
+            return False
+        self._finish_prefetch(p)
+        return True
+
+    def _finish_prefetch(self: HiRadixCache, p: Prefetch, insert: bool = True) -> None:
+        p.cancel.set()
+        p.finished.wait(IO_GRACE_S)  # the batch in flight completes; a hung backend is left behind
+        landed = p.landed  # pages [0, landed) are complete and no longer touched by the I/O thread
+        agreed = self.controller.agree_min(landed) if insert else 0
+        del self._prefetch_ops[p.request_id]
+        ps = self.page_size
+        m = self.metrics
+        n = agreed * ps
+        used = False
+        if n:
+            page = p.tokens[:ps]
+            if self._tree is not None:
+                taken = self._tree.core.child_for(p.node.id, page) >= 0
+            else:
+                taken = tuple(page) in p.node.children
+            if taken:  # another insert cached (part of) these tokens meanwhile: theirs stay
+                m.prefetches_discarded += 1
+            else:
+                slots = p.host_slots[:n]
+                self.host_pool.mark_filled(slots)
+                node = self._add_host_node(p.node, p.tokens[:n], slots)
+                self._node_keys[node.id] = p.keys[:agreed]
+                used = True
+                m.storage_hit_tokens += n
+                m.storage_pages_read += agreed
+                m.storage_bytes_read += agreed * self.host_pool.page_bytes
+        if agreed < len(p.keys):
+            cut = m.prefetches_cut
+            cut[self._storage.policy.name] = cut.get(self._storage.policy.name, 0) + 1
+        m.prefetch_latency_s.append(time.perf_counter() - p.start)
+        rest = p.host_slots[n:] if used else p.host_slots
+        if p.finished.is_set():
+            if len(rest):
+                self.host_pool.free(rest)
+        else:
+            p.host_slots = rest  # freed when the I/O thread returns (_reap_zombies)
+            self._zombies.append(p)
+        self.dec_lock_ref(p.node)
+
+    def _add_host_node(self: HiRadixCache, parent: Any, tokens: list[int], host: torch.Tensor) -> Any:
+        """A new host-only child of ``parent`` holding ``tokens`` in host slots ``host`` (SYNCED)."""
+        if self._tree is not None:
+            node = self._tree.node(self._tree.core.add_child(parent.id, tokens))
+        else:
+            node = TreeNode(next(self._ids), parent, tuple(tokens), self._tick())
+            parent.children[node.key[: self.page_size]] = node
+        node.host_value = host
+        return node
+
+    def _reap_zombies(self: HiRadixCache) -> None:
+        """Free the slots of stopped prefetches whose I/O thread has let go of them."""
+        if self._zombies:
+            for p in [z for z in self._zombies if z.finished.is_set()]:
+                self._zombies.remove(p)
+                if len(p.host_slots):
+                    self.host_pool.free(p.host_slots)
+
+    def _close_storage(self: HiRadixCache) -> None:
+        """At close: stop every prefetch (nothing inserted), finish the queued backups, stop the threads."""
+        if self._storage is None:
+            return
+        for p in list(self._prefetch_ops.values()):
+            self._finish_prefetch(p, insert=False)
+        self._storage.wait_backups()
+        self._take_storage()
+        for p in self._zombies:
+            p.finished.wait(IO_GRACE_S)
+        self._reap_zombies()
+        self._storage.close()

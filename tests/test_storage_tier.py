@@ -1,0 +1,358 @@
+"""The storage tier through the cache: host copies backed up to a backend, prefetched back into a
+fresh cache, byte-identical; policies, faults (corrupt, foreign, raising, hanging, full store), misuse,
+two processes sharing a directory. Every test runs on both tree cores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache import DeviceKVPool, HiRadixCache, HostKVPool
+from hicache.storage import FileBackend, StorageBackend, page_keys
+from hicache.storage.tier import PrefetchPolicy
+
+from cachedata import HEAD_DIM, HEAD_NUM, NUM_LAYERS, check_kv, prefill
+
+pytestmark = pytest.mark.usefixtures("each_tree_core")
+
+TOKENS = [(7 * i + 3) % 1000 for i in range(48)]  # 12 pages of 4
+
+
+def make(backend: StorageBackend, *, layout: str = "page_first", mla: bool = False, page_size: int = 4,
+         policy: str = "wait_complete", model_id: str = "test-model", write_policy: str = "write_through",
+         threshold: int = 8, **policy_kw) -> HiRadixCache:  # fmt: skip
+    dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=1 if mla else HEAD_NUM, head_dim=HEAD_DIM,
+                       dtype=torch.float32, device="cpu", page_size=page_size, mla=mla)  # fmt: skip
+    host = HostKVPool(dev, layout=layout, ratio=3.0, safety_margin_gb=0.0)
+    return HiRadixCache(dev, host, io_backend="direct", write_policy=write_policy, threaded=False, storage=backend,
+                        load_back_threshold=1,
+                        model_id=model_id, prefetch_policy=PrefetchPolicy(policy, threshold_tokens=threshold,
+                                                                          **policy_kw))  # fmt: skip
+
+
+def store(backend: StorageBackend, tokens: list[int] = TOKENS, **kw) -> dict:
+    """A first instance computes ``tokens`` and backs them up (host, then storage); returns its metrics."""
+    with make(backend, **kw) as a:
+        prefill(a, tokens)
+        a.flush()
+        a.verify()
+        m = a.metrics.as_dict()
+    return m
+
+
+def prefetch(cache: HiRadixCache, tokens: list[int], rid: str = "r", timeout: float = 10.0) -> bool:
+    """match -> prefetch -> poll until admitted (True) or no prefetch started (False)."""
+    m = cache.match_prefix(tokens)
+    if not cache.prefetch_from_storage(rid, m.last_host_node, tokens):
+        return False
+    t0 = time.perf_counter()
+    while not cache.check_prefetch_progress(rid):
+        assert time.perf_counter() - t0 < timeout, "prefetch never finished"
+        time.sleep(0.001)
+    return True
+
+
+def load_and_check(cache: HiRadixCache, tokens: list[int]) -> int:
+    """Load the host hit to the device and check every loaded byte; returns the tokens on the device."""
+    m = cache.match_prefix(tokens)
+    if m.host_hit_length:
+        assert cache.load_back(m.last_host_node) is not None
+        cache.start_loading()
+        cache.flush()
+    slots = cache.match_prefix(tokens).device_indices
+    check_kv(cache, tokens[: len(slots)], slots)
+    cache.verify()
+    return len(slots)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first", "page_head"])
+@pytest.mark.parametrize("mla", [False, True])
+def test_round_trip_through_storage(tmp_path, layout, mla):
+    if mla and layout == "page_head":
+        pytest.skip("page_head is MHA only")
+    m = store(FileBackend(tmp_path), layout=layout, mla=mla)
+    assert m["storage_pages_written"] == len(TOKENS) // 4 and m["storage_backups_failed"] == 0
+    with make(FileBackend(tmp_path), layout=layout, mla=mla) as b:  # a fresh instance: nothing cached
+        assert prefetch(b, TOKENS)
+        assert b.metrics.storage_hit_tokens == len(TOKENS) and b.metrics.storage_pages_read == 12
+        assert load_and_check(b, TOKENS) == len(TOKENS)  # byte-identical, not recomputed
+        assert b.metrics.prefetch_latency_s and b.metrics.prefetches_cut == {}
+
+
+def test_pages_already_stored_are_not_written_again(tmp_path):
+    store(FileBackend(tmp_path))
+    m = store(FileBackend(tmp_path))
+    assert m["storage_pages_written"] == 0 and m["storage_pages_skipped"] == 12
+
+
+def test_prefetch_continues_a_host_hit_and_keeps_the_chain(tmp_path):
+    store(FileBackend(tmp_path))
+    with make(FileBackend(tmp_path)) as b:
+        prefill(b, TOKENS[:16])  # b computes the first 4 pages itself
+        assert prefetch(b, TOKENS)
+        assert b.metrics.storage_hit_tokens == 32
+        assert load_and_check(b, TOKENS) == 48
+        # The prefetched node's keys continue the chain: extending it stores under the same keys.
+        longer = TOKENS + [5, 6, 7, 8]
+        prefill(b, longer)
+        b.flush()
+        assert b.metrics.storage_pages_written == 1  # only the new page; the rest was already stored
+
+
+def test_another_model_or_salt_never_reads_the_pages(tmp_path):
+    store(FileBackend(tmp_path))
+    with make(FileBackend(tmp_path), model_id="other-model") as b:
+        assert not prefetch(b, TOKENS)
+        assert b.metrics.storage_hit_tokens == 0
+    with make(FileBackend(tmp_path), mla=True) as b:  # other geometry: other namespace
+        assert not prefetch(b, TOKENS)
+
+
+def test_below_threshold_nothing_starts(tmp_path):
+    store(FileBackend(tmp_path))
+    with make(FileBackend(tmp_path), threshold=64) as b:
+        assert not prefetch(b, TOKENS)
+        assert b.metrics.prefetches == 0
+        b.verify()
+
+
+def test_corrupt_page_ends_the_prefix_and_nothing_wrong_is_loaded(tmp_path):
+    store(FileBackend(tmp_path))
+    files = sorted(Path(tmp_path).rglob("*.kv"))
+    assert len(files) == 12
+    # The 6th page's object, named by the key chain rooted in the cache's namespace: flip a payload byte.
+    with make(FileBackend(tmp_path)) as b:
+        keys = page_keys(TOKENS, 4, prev_digest=b.storage.root_digest)
+        prefill(b, TOKENS[:4])
+        assert b._keys_of(b.match_prefix(TOKENS[:4]).last_device_node) == keys[:1]
+    victim = next(f for f in files if f.stem == keys[5])
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with make(FileBackend(tmp_path)) as b:
+        assert prefetch(b, TOKENS)
+        assert b.metrics.storage_hit_tokens == 20  # pages 0-4; the corrupt one and all after are misses
+        assert b.metrics.prefetches_cut == {"wait_complete": 1}
+        assert load_and_check(b, TOKENS) == 20
+    assert not victim.exists()  # a corrupt object is removed
+
+
+def test_truncated_page_is_a_miss(tmp_path):
+    store(FileBackend(tmp_path))
+    for f in Path(tmp_path).rglob("*.kv"):
+        f.write_bytes(f.read_bytes()[:40])
+    with make(FileBackend(tmp_path)) as b:
+        assert prefetch(b, TOKENS)
+        assert b.metrics.storage_hit_tokens == 0
+        assert load_and_check(b, TOKENS) == 0
+
+
+def test_full_store_stores_nothing_and_says_so(tmp_path):
+    m = store(FileBackend(tmp_path, capacity_bytes=0))
+    assert m["storage_pages_written"] == 0 and m["storage_backups_failed"] == 0
+    with make(FileBackend(tmp_path)) as b:
+        assert not prefetch(b, TOKENS)
+
+
+class Flaky(FileBackend):
+    """A file backend whose calls raise for chosen methods."""
+
+    def __init__(self, path, fail: set[str]) -> None:
+        super().__init__(path)
+        self.fail = fail
+
+    def batch_exists(self, keys):
+        if "exists" in self.fail:
+            raise OSError("store down (exists)")
+        return super().batch_exists(keys)
+
+    def batch_get_into(self, keys, host_slots):
+        if "get" in self.fail:
+            raise OSError("store down (get)")
+        return super().batch_get_into(keys, host_slots)
+
+    def batch_set_from(self, keys, host_slots):
+        if "set" in self.fail:
+            raise OSError("store down (set)")
+        return super().batch_set_from(keys, host_slots)
+
+
+def test_a_raising_backend_is_a_miss_never_an_exception(tmp_path, caplog):
+    m = store(Flaky(tmp_path, {"set"}))
+    assert m["storage_backups_failed"] == 1 and m["storage_pages_written"] == 0
+    assert "hicache storage backup failed" in caplog.text
+    store(FileBackend(tmp_path))
+    with make(Flaky(tmp_path, {"exists"})) as b:
+        assert not prefetch(b, TOKENS)
+        b.verify()
+    with make(Flaky(tmp_path, {"get"})) as b:
+        assert prefetch(b, TOKENS)
+        assert b.metrics.storage_hit_tokens == 0
+        assert load_and_check(b, TOKENS) == 0
+
+
+class Gated(FileBackend):
+    """Reads wait for ``gate`` (a hung store until it is set); one page per call."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def batch_get_into(self, keys, host_slots):
+        self.calls += 1
+        if self.calls > 2:  # the first two pages come at once, then the store hangs
+            self.gate.wait(30)
+        return super().batch_get_into(keys, host_slots)
+
+
+def test_timeout_policy_admits_at_the_deadline_keeping_what_landed(tmp_path, monkeypatch):
+    import hicache.storage_ops as so
+
+    monkeypatch.setattr(so, "IO_GRACE_S", 0.05)
+    store(FileBackend(tmp_path))
+    backend = Gated(tmp_path)
+    with make(backend, policy="timeout", timeout_base_s=0.3, timeout_per_1k_tokens_s=0.0, batch_pages=1) as b:
+        m = b.match_prefix(TOKENS)
+        assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
+        while backend.calls < 3:
+            time.sleep(0.001)
+        assert not b.check_prefetch_progress("r")  # before the deadline, the store still hung
+        b.verify()
+        time.sleep(0.35)
+        assert b.check_prefetch_progress("r")
+        assert b.metrics.storage_hit_tokens == 8 and b.metrics.prefetches_cut == {"timeout": 1}
+        assert len(b._zombies) == 1  # the hung call still holds the rest of the slots
+        b.verify()
+        free_before = b.host_pool.available_size()
+        backend.gate.set()
+        deadline = time.perf_counter() + 10
+        while not b._zombies[0].finished.is_set():
+            assert time.perf_counter() < deadline
+            time.sleep(0.001)
+        b._reap_zombies()
+        assert b.host_pool.available_size() == free_before + 40 and not b._zombies
+        assert load_and_check(b, TOKENS) == 8
+
+
+def test_best_effort_admits_at_once(tmp_path):
+    store(FileBackend(tmp_path))
+    backend = Gated(tmp_path)
+    backend.gate.set()
+    with make(backend, policy="best_effort", batch_pages=1) as b:
+        m = b.match_prefix(TOKENS)
+        assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
+        assert b.check_prefetch_progress("r")  # the first call admits; what landed by then is kept
+        landed = b.metrics.storage_hit_tokens
+        assert landed % 4 == 0 and landed <= 48
+        assert load_and_check(b, TOKENS) == landed
+
+
+def test_host_eviction_waits_for_the_storage_backup(tmp_path):
+    class SlowSet(FileBackend):
+        def __init__(self, path) -> None:
+            super().__init__(path)
+            self.gate = threading.Event()
+
+        def batch_set_from(self, keys, host_slots):
+            self.gate.wait(30)
+            return super().batch_set_from(keys, host_slots)
+
+    backend = SlowSet(tmp_path)
+    with make(backend) as a:
+        prefill(a, TOKENS)
+        a.check_writes()  # host copy landed: the storage backup is queued and the node locked
+        assert a.evict(a.device_pool.size) == 0  # locked by its storage backup: stays in both tiers
+        assert a.evict_host(a.host_pool.size) == 0
+        a.verify()
+        backend.gate.set()
+        a.flush()
+        assert a.evict(a.device_pool.size) == 48
+        assert a.evict_host(a.host_pool.size) == 48
+        a.verify()
+    assert len(list(Path(tmp_path).rglob("*.kv"))) == 12
+
+
+def test_prefetch_discarded_when_the_tree_caught_up(tmp_path):
+    store(FileBackend(tmp_path))
+    with make(FileBackend(tmp_path)) as b:
+        m = b.match_prefix(TOKENS)
+        assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
+        prefill(b, TOKENS)  # the request was computed meanwhile
+        while not b.check_prefetch_progress("r"):
+            time.sleep(0.001)
+        assert b.metrics.prefetches_discarded == 1 and b.metrics.storage_hit_tokens == 0
+        b.verify()
+
+
+def test_misuse_is_refused_and_changes_nothing(tmp_path):
+    dev = DeviceKVPool(num_slots=32, num_layers=1, head_num=1, head_dim=2, dtype=torch.float32, device="cpu")
+    host = HostKVPool(dev, ratio=2.0, safety_margin_gb=0.0)
+    with HiRadixCache(dev, host, io_backend="direct", threaded=False) as plain:
+        with pytest.raises(RuntimeError, match="prefetch_from_storage: this HiRadixCache has no storage tier"):
+            plain.prefetch_from_storage("r", plain.root, [1, 2, 3])
+    with pytest.raises(ValueError, match="model_id: the storage tier needs"):
+        HiRadixCache(dev, host, io_backend="direct", threaded=False, storage=FileBackend(tmp_path))
+    with pytest.raises(ValueError, match="prefetch_policy: expected one of"):
+        make(FileBackend(tmp_path), policy="eager")
+    with pytest.raises(TypeError, match="storage: expected a StorageBackend"):
+        HiRadixCache(dev, host, io_backend="direct", threaded=False, storage=object(), model_id="m")
+    store(FileBackend(tmp_path))
+    with make(FileBackend(tmp_path)) as b:
+        with pytest.raises(ValueError, match="request_id: no prefetch in flight for 'nope'"):
+            b.check_prefetch_progress("nope")
+        m = b.match_prefix(TOKENS)
+        assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
+        with pytest.raises(ValueError, match="request_id: 'r' already has a prefetch in flight"):
+            b.prefetch_from_storage("r", m.last_host_node, TOKENS)
+        b.verify()
+    # Closed with the prefetch in flight: it is stopped, nothing inserted, every slot back.
+    assert b.host_pool.available_size() == b.host_pool.size
+    with pytest.raises(RuntimeError, match="closed"):
+        b.prefetch_from_storage("s", b.root, TOKENS)
+
+
+def test_backend_by_name_with_a_config(tmp_path):
+    dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+                       dtype=torch.float32, device="cpu", page_size=4)  # fmt: skip
+    host = HostKVPool(dev, ratio=3.0, safety_margin_gb=0.0)
+    with HiRadixCache(dev, host, io_backend="direct", threaded=False, storage="file",
+                      storage_config={"path": str(tmp_path)}, model_id="test-model") as a:  # fmt: skip
+        prefill(a, TOKENS)
+        a.flush()
+        assert a.metrics.storage_pages_written == 12
+
+
+WRITER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from cachedata import HEAD_DIM, HEAD_NUM, NUM_LAYERS, prefill
+from hicache import DeviceKVPool, HiRadixCache, HostKVPool
+dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+                   dtype=torch.float32, device="cpu", page_size=4)
+host = HostKVPool(dev, layout="page_first", ratio=3.0, safety_margin_gb=0.0)
+with HiRadixCache(dev, host, io_backend="direct", threaded=False, storage="file",
+                  storage_config={{"path": {path!r}}}, model_id="test-model") as c:
+    prefill(c, {tokens!r})
+    c.flush()
+    c.verify()
+    print("stored", c.metrics.storage_pages_written)
+"""
+
+
+def test_two_processes_share_a_directory(tmp_path, each_tree_core):
+    script = WRITER.format(tests=str(Path(__file__).parent), path=str(tmp_path), tokens=TOKENS)
+    env = {**os.environ, "HICACHE_TREE_CORE": each_tree_core}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stored 12" in out.stdout
+    with make(FileBackend(tmp_path)) as b:  # this process never computed TOKENS
+        assert prefetch(b, TOKENS)
+        assert load_and_check(b, TOKENS) == 48
