@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 
 from hicache import DeviceKVPool, HiRadixCache, HostKVPool, SlotState
 from hicache.radix_cache import TreeNode
+from hicache.storage import FileBackend, StorageBackend
+from hicache.storage.tier import PrefetchPolicy
 
 from cachedata import check_kv, kv_value, wrap_copies
 
@@ -53,15 +55,22 @@ def build(
     load_back_threshold: int = 1,
     layout: str = "page_first",
     tp_group=None,
+    storage=None,
+    prefetch_threshold: int = 1,
 ) -> HiRadixCache:
     dev = DeviceKVPool(
         num_slots=device_slots, num_layers=L, head_num=H, head_dim=D, dtype=torch.float32, device="cpu",
         page_size=page_size,
     )  # fmt: skip
     host = HostKVPool(dev, layout=layout, ratio=host_ratio)
+    extra = {}
+    if storage is not None:  # a StorageBackend, or a directory for a FileBackend
+        backend = storage if isinstance(storage, StorageBackend) else FileBackend(storage)
+        policy = PrefetchPolicy("wait_complete", threshold_tokens=prefetch_threshold, batch_pages=2)
+        extra = dict(storage=backend, model_id="stress", prefetch_policy=policy)
     return HiRadixCache(
         dev, host, io_backend="direct", write_policy=write_policy, eviction_policy=eviction_policy,
-        threaded=threaded, load_back_threshold=load_back_threshold, tp_group=tp_group,
+        threaded=threaded, load_back_threshold=load_back_threshold, tp_group=tp_group, **extra,
     )  # fmt: skip
 
 
@@ -181,6 +190,12 @@ MISUSE_OPS = (
 MISUSE_WEIGHTS = (2, 2, 0.1)  # modest: normal operation stays the bulk of every run
 ALL_OPS = OPS + MISUSE_OPS
 ALL_WEIGHTS = WEIGHTS + MISUSE_WEIGHTS
+STORAGE_OPS = (
+    "prefetch",  # match, then prefetch the stored pages beyond the host hit
+    "check_prefetch",  # a prefetch's I/O done: check_prefetch_progress inserts what landed
+    "check_storage",  # process finished storage backups
+)
+STORAGE_WEIGHTS = (6, 6, 4)
 
 
 @dataclass
@@ -204,6 +219,8 @@ class Driver:
     counts: Counter = field(default_factory=Counter)
     factory: Callable[[], HiRadixCache] | None = None  # builds the next cache after "close" (else no close)
     retired: Counter = field(default_factory=Counter)  # metrics of the caches closed by "close"
+    prefetching: list = field(default_factory=list)  # request ids with a prefetch in flight
+    next_rid: int = 0
 
     def __post_init__(self) -> None:
         r = random.Random(self.seed)
@@ -249,6 +266,10 @@ class Driver:
 
     # -------------------------------------------------------------- one step
     def step(self, op: str, r: random.Random) -> None:
+        if self.cache.storage is not None:
+            # Storage backups run on their own thread: let the queued ones finish first, so which acks
+            # a step sees does not depend on thread timing (runs are reproducible, seed for seed).
+            self.cache.storage.wait_backups()
         getattr(self, "op_" + op)(r)
         self.steps += 1
         self.counts[op] += 1
@@ -362,6 +383,33 @@ class Driver:
     def op_start_loading(self, r: random.Random) -> None:
         self.cache.start_loading()
 
+    def op_prefetch(self, r: random.Random) -> None:
+        c = self.cache
+        if c.storage is None:
+            return
+        toks = self.tokens(r)
+        m = c.match_prefix(toks)
+        self.next_rid += 1
+        if c.prefetch_from_storage(self.next_rid, m.last_host_node, toks):
+            self.prefetching.append(self.next_rid)
+            self.counts["prefetch_started"] += 1
+
+    def finish_prefetch(self, rid: int) -> None:
+        """Wait for the prefetch's I/O (so what lands does not depend on thread timing), then admit."""
+        c = self.cache
+        c._prefetch_ops[rid].finished.wait(60)
+        assert c.check_prefetch_progress(rid)
+        self.prefetching.remove(rid)
+        self.counts["prefetch_done"] += 1
+
+    def op_check_prefetch(self, r: random.Random) -> None:
+        if self.prefetching:
+            self.finish_prefetch(self.prefetching[r.randrange(len(self.prefetching))])
+
+    def op_check_storage(self, r: random.Random) -> None:
+        if self.cache.storage is not None:
+            self.cache.check_storage()
+
     def op_check_writes(self, r: random.Random) -> None:
         self.cache.check_writes()
 
@@ -442,6 +490,7 @@ class Driver:
         c = self.cache
         drain = r.random() < 0.5
         c.close(drain=drain)
+        self.prefetching.clear()  # close stopped them (nothing inserted, slots freed)
         self.counts["close_drain" if drain else "close_drop"] += 1
         self.check()  # nothing in flight: locks are the driver's, host slots SYNCED or FREE
         assert not c._inflight_writes and not c._inflight_loads
@@ -492,6 +541,15 @@ class Driver:
         for node, host, _ in c._inflight_loads.values():
             points[node] += 1
             inflight_host.append((host, SlotState.LOADING))
+        for backed_up in c._inflight_storage.values():  # storage backups hold their node locked
+            for node in backed_up:
+                points[node] += 1
+        prefetch_held = np.zeros(0, dtype=np.int64)
+        for p in c._prefetch_ops.values():  # prefetches lock the node they continue
+            points[p.node] += 1
+        held = [p.host_slots.numpy() for p in [*c._prefetch_ops.values(), *c._zombies]]
+        if held:
+            prefetch_held = np.concatenate(held)
         expect: Counter = Counter()
         for node, k in points.items():
             if node is c.root:
@@ -509,7 +567,10 @@ class Driver:
             if node.host_value is not None:
                 host_owned += len(node.host_value)
                 host_expect[node.host_value.numpy()] = SlotState.SYNCED
-        # Host slot states: WRITING / LOADING exactly for the copies in flight, SYNCED for the rest.
+        # Host slot states: WRITING / LOADING exactly for the copies in flight, SYNCED for the rest,
+        # RESERVED for prefetches in flight.
+        assert not host_expect[prefetch_held].any(), "prefetch slots owned by a node"
+        host_expect[prefetch_held] = SlotState.RESERVED
         for host, state in inflight_host:
             assert (host_expect[host.numpy()] == SlotState.SYNCED).all(), "in-flight host slots not owned"
             host_expect[host.numpy()] = state
@@ -519,7 +580,7 @@ class Driver:
             raise AssertionError(f"host slots {bad.tolist()}: states {states[bad]} expected {host_expect[bad]}")
         n_ext = 0 if ext is None else len(ext)
         assert self.dev.available_size() + dev_owned + n_ext == self.dev.size
-        assert self.host.available_size() + host_owned == self.host.size
+        assert self.host.available_size() + host_owned + len(prefetch_held) == self.host.size
         assert c.evictable_size() + c.protected_size() == dev_owned
         if self.check_kv_every and self.steps % self.check_kv_every == 0:
             check_device_kv(c)
@@ -531,7 +592,10 @@ class Driver:
 
     def run_random(self, n: int, seed: int) -> None:
         r = random.Random(seed)
-        for op in r.choices(ALL_OPS, ALL_WEIGHTS, k=n):
+        ops, weights = ALL_OPS, ALL_WEIGHTS
+        if self.cache.storage is not None:
+            ops, weights = ops + STORAGE_OPS, weights + STORAGE_WEIGHTS
+        for op in r.choices(ops, weights, k=n):
             self.step(op, r)
 
     def release_all(self) -> None:
@@ -540,6 +604,8 @@ class Driver:
             self.finish(self.pending.pop())
         while self.held:
             self.cache.dec_lock_ref(self.held.pop())
+        while self.prefetching:
+            self.finish_prefetch(self.prefetching[-1])
         self.cache.flush()
         self.check()
         assert all(n.lock_ref == 0 for n, _ in tree_nodes(self.cache))
@@ -605,6 +671,31 @@ CONFIGS = [
     for wp in POLICIES
     for ev in ("lru", "lfu", "slru", "fifo", "priority")
 ]
+
+
+STORAGE_CONFIGS = [
+    dict(page_size=1, write_policy="write_through", eviction_policy="lru", device_slots=48, host_ratio=2.5),
+    dict(page_size=4, write_policy="write_back", eviction_policy="slru", device_slots=64, host_ratio=1.5),
+    dict(page_size=2, write_policy="write_through_selective", eviction_policy="lfu", device_slots=32),
+]
+
+
+@pytest.mark.parametrize("config", STORAGE_CONFIGS, ids=lambda c: f"ps{c['page_size']}-{c['write_policy']}")
+def test_random_operations_with_storage(tmp_path, config):
+    """The driver with a file-backed storage tier: backups, prefetches of what host eviction dropped,
+    closes and new caches that find the old one's pages; every invariant after every step, and the
+    KV that comes back from storage is the KV that was written."""
+    store = tmp_path / "store"
+
+    def factory() -> HiRadixCache:
+        return build(storage=store, **config)
+
+    d = Driver(factory(), seed=11, check_kv_every=4, max_pages=4 if config["page_size"] > 1 else 8, factory=factory)
+    d.run_random(1500, seed=12)
+    d.drain(sample=4)
+    assert d.counts["prefetch_done"] > 0 and d.metric("storage_hit_tokens") > 0
+    assert d.metric("storage_pages_written") > 0
+    d.cache.close()
 
 
 @pytest.mark.slow

@@ -27,11 +27,11 @@ TOKENS = [(7 * i + 3) % 1000 for i in range(48)]  # 12 pages of 4
 
 def make(backend: StorageBackend, *, layout: str = "page_first", mla: bool = False, page_size: int = 4,
          policy: str = "wait_complete", model_id: str = "test-model", write_policy: str = "write_through",
-         threshold: int = 8, **policy_kw) -> HiRadixCache:  # fmt: skip
+         threshold: int = 8, threaded: bool = False, **policy_kw) -> HiRadixCache:  # fmt: skip
     dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=1 if mla else HEAD_NUM, head_dim=HEAD_DIM,
                        dtype=torch.float32, device="cpu", page_size=page_size, mla=mla)  # fmt: skip
     host = HostKVPool(dev, layout=layout, ratio=3.0, safety_margin_gb=0.0)
-    return HiRadixCache(dev, host, io_backend="direct", write_policy=write_policy, threaded=False, storage=backend,
+    return HiRadixCache(dev, host, io_backend="direct", write_policy=write_policy, threaded=threaded, storage=backend,
                         load_back_threshold=1,
                         model_id=model_id, prefetch_policy=PrefetchPolicy(policy, threshold_tokens=threshold,
                                                                           **policy_kw))  # fmt: skip
@@ -219,7 +219,8 @@ def test_timeout_policy_admits_at_the_deadline_keeping_what_landed(tmp_path, mon
     monkeypatch.setattr(so, "IO_GRACE_S", 0.05)
     store(FileBackend(tmp_path))
     backend = Gated(tmp_path)
-    with make(backend, policy="timeout", timeout_base_s=0.3, timeout_per_1k_tokens_s=0.0, batch_pages=1) as b:
+    with make(backend, policy="timeout", timeout_base_s=0.3, timeout_per_1k_tokens_s=0.0, batch_pages=1,
+              threaded=True) as b:  # fmt: skip
         m = b.match_prefix(TOKENS)
         assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
         while backend.calls < 3:
@@ -246,7 +247,7 @@ def test_best_effort_admits_at_once(tmp_path):
     store(FileBackend(tmp_path))
     backend = Gated(tmp_path)
     backend.gate.set()
-    with make(backend, policy="best_effort", batch_pages=1) as b:
+    with make(backend, policy="best_effort", batch_pages=1, threaded=True) as b:
         m = b.match_prefix(TOKENS)
         assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
         assert b.check_prefetch_progress("r")  # the first call admits; what landed by then is kept
@@ -266,9 +267,11 @@ def test_host_eviction_waits_for_the_storage_backup(tmp_path):
             return super().batch_set_from(keys, host_slots)
 
     backend = SlowSet(tmp_path)
-    with make(backend) as a:
+    with make(backend, threaded=True) as a:
         prefill(a, TOKENS)
-        a.check_writes()  # host copy landed: the storage backup is queued and the node locked
+        a.controller.flush()
+        a.check_writes()  # host copy landed: the storage backup is queued (blocked) and the node locked
+        assert a._inflight_storage
         assert a.evict(a.device_pool.size) == 0  # locked by its storage backup: stays in both tiers
         assert a.evict_host(a.host_pool.size) == 0
         a.verify()

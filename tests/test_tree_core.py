@@ -59,11 +59,11 @@ class TracingDriver(Driver):
         self.trace.append(snapshot(self.cache))
 
 
-def run_traced(monkeypatch, core: str, config: dict, steps: int, seed: int) -> TracingDriver:
+def run_traced(monkeypatch, core: str, config: dict, steps: int, seed: int, storage=None) -> TracingDriver:
     monkeypatch.setenv("HICACHE_TREE_CORE", core)
 
     def factory() -> HiRadixCache:
-        return build(**config)
+        return build(**config, **({} if storage is None else {"storage": storage}))
 
     d = TracingDriver(
         factory(), seed=seed, check_kv_every=8, max_pages=4 if config.get("page_size", 1) > 1 else 8, factory=factory
@@ -98,6 +98,19 @@ def test_compiled_core_matches_python_step_by_step(monkeypatch, config):
     for key in ("load_back_done", "bad_insert_refused", "load_back_raced", "evict", "evict_host", "drain_loaded"):
         assert ref.counts[key] > 0, key
     assert set(ref.counts) >= set(ALL_OPS) - {"close"}
+
+
+@needs_compiled
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=lambda c: f"ps{c['page_size']}-{c['write_policy']}")
+def test_compiled_core_matches_python_with_storage(monkeypatch, tmp_path, config):
+    """The same with a storage tier: prefetched pages become host-only nodes in both cores alike (each
+    core's run has its own store, so the second run does not find the first one's pages)."""
+    ref = run_traced(monkeypatch, "python", config, 600, 21, storage=tmp_path / "python")
+    got = run_traced(monkeypatch, "compiled", config, 600, 21, storage=tmp_path / "compiled")
+    assert ref.counts == got.counts and ref.counts["prefetch_done"] > 0
+    for step, (a, b) in enumerate(zip(ref.trace, got.trace, strict=True)):
+        assert a == b, f"step {step}: the compiled core differs from the Python core"
+    assert ref.trace[-1][2]["storage_hit_tokens"] > 0 or ref.metric("storage_hit_tokens") > 0
 
 
 @needs_compiled

@@ -90,7 +90,8 @@ class HiRadixCache(CopyAcks, StorageOps):
     device_pool, host_pool : the pools; ``host_pool.page_size`` must equal ``device_pool.page_size``.
     controller : the :class:`~hicache.controller.HiCacheController` to use; built from the keyword
         arguments below when None (and then closed by :meth:`close`).
-    io_backend, write_policy, tp_group, threaded : passed to the controller it builds.
+    io_backend, write_policy, tp_group, threaded : passed to the controller it builds (``threaded`` also
+        decides whether the storage tier reads and writes on its own threads or inline).
     eviction_policy : ``lru`` (default), ``lfu``, ``slru``, ``fifo``, ``priority`` or an object with
         ``key(node)``; used for both tiers.
     load_back_threshold : host hits shorter than this many tokens are not loaded back (default 10).

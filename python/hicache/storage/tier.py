@@ -101,6 +101,8 @@ class StorageTier:
         (:attr:`Namespace.writer`: MLA pages only from rank 0).
     agree_min : the controller's TP agreement (minimum over ranks, always issued).
     policy : the :class:`PrefetchPolicy`.
+    threaded : run backups and prefetch reads on the tier's two threads (default). ``False`` runs each
+        inline when it is submitted (as the controller's ``threaded=False``): deterministic, for tests.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class StorageTier:
         namespace: Namespace,
         agree_min: Callable[[int], int],
         policy: PrefetchPolicy | None = None,
+        threaded: bool = True,
     ) -> None:
         if not isinstance(backend, StorageBackend):
             raise TypeError(f"storage: expected a StorageBackend (or a backend name), got {type(backend).__name__}")
@@ -125,10 +128,13 @@ class StorageTier:
         self._prefetches: queue.Queue = queue.Queue()
         self._logged: set[str] = set()
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._backup_loop, name="hicache-storage-backup", daemon=True),
-            threading.Thread(target=self._prefetch_loop, name="hicache-storage-prefetch", daemon=True),
-        ]
+        self.threaded = threaded
+        self._threads = []
+        if threaded:
+            self._threads = [
+                threading.Thread(target=self._backup_loop, name="hicache-storage-backup", daemon=True),
+                threading.Thread(target=self._prefetch_loop, name="hicache-storage-prefetch", daemon=True),
+            ]
         for t in self._threads:
             t.start()
 
@@ -141,33 +147,38 @@ class StorageTier:
     # ------------------------------------------------------------------ backups
     def submit_backup(self, node_id: int, keys: list[str], host_slots: torch.Tensor) -> None:
         """Queue the pages ``host_slots`` (SYNCED, held by a locked node) under ``keys``."""
-        self._backups.put((node_id, keys, host_slots))
+        if self.threaded:
+            self._backups.put((node_id, keys, host_slots))
+        else:
+            self._backup_one(node_id, keys, host_slots)
 
     def _backup_loop(self) -> None:
-        ps, batch = self.page_size, self.policy.batch_pages
         while True:
             item = self._backups.get()
             if item is None:
                 self._backups.task_done()
                 return
-            node_id, keys, slots = item
-            written = skipped = 0
-            error: BaseException | None = None
-            t0 = time.perf_counter()
-            if self.namespace.writer:
-                try:
-                    for i in range(0, len(keys), batch):
-                        bk, bs = keys[i : i + batch], slots[i * ps : (i + batch) * ps]
-                        present = self.backend.batch_exists(bk)  # already stored (by us or another instance)
-                        skipped += present
-                        if present < len(bk):
-                            ok = self.backend.batch_set_from(bk[present:], bs[present * ps :])
-                            written += sum(map(bool, ok))
-                except Exception as exc:  # noqa: BLE001 - a store fault is a failed backup, not a crash
-                    self._fault("backup", exc)
-                    error = exc
-            self._backup_acks.put((node_id, written, skipped, len(keys), time.perf_counter() - t0, error))
+            self._backup_one(*item)
             self._backups.task_done()
+
+    def _backup_one(self, node_id: int, keys: list[str], slots: torch.Tensor) -> None:
+        ps, batch = self.page_size, self.policy.batch_pages
+        written = skipped = 0
+        error: BaseException | None = None
+        t0 = time.perf_counter()
+        if self.namespace.writer:
+            try:
+                for i in range(0, len(keys), batch):
+                    bk, bs = keys[i : i + batch], slots[i * ps : (i + batch) * ps]
+                    present = self.backend.batch_exists(bk)  # already stored (by us or another instance)
+                    skipped += present
+                    if present < len(bk):
+                        ok = self.backend.batch_set_from(bk[present:], bs[present * ps :])
+                        written += sum(map(bool, ok))
+            except Exception as exc:  # noqa: BLE001 - a store fault is a failed backup, not a crash
+                self._fault("backup", exc)
+                error = exc
+        self._backup_acks.put((node_id, written, skipped, len(keys), time.perf_counter() - t0, error))
 
     def finished_backups(self) -> list[tuple[int, int, int, int, float, BaseException | None]]:
         """Backups finished on every rank (agreed count), in submission order:
@@ -189,33 +200,39 @@ class StorageTier:
             return 0
 
     def start_prefetch(self, p: Prefetch) -> None:
-        self._prefetches.put(p)
+        if self.threaded:
+            self._prefetches.put(p)
+        else:
+            self._prefetch_one(p)
 
     def _prefetch_loop(self) -> None:
-        ps, batch = self.page_size, self.policy.batch_pages
         while True:
             p = self._prefetches.get()
             if p is None:
                 return
-            try:
-                for i in range(0, len(p.keys), batch):
-                    if p.cancel.is_set():
-                        break
-                    bk = p.keys[i : i + batch]
-                    try:
-                        ok = self.backend.batch_get_into(bk, p.host_slots[i * ps : (i + len(bk)) * ps])
-                    except Exception as exc:  # noqa: BLE001
-                        self._fault("get", exc)
-                        ok = [False] * len(bk)
-                    good = 0
-                    while good < len(bk) and ok[good]:
-                        good += 1
-                    p.landed = i + good  # leading pages only: a hole ends the prefix
-                    if good < len(bk):
-                        p.failed = True
-                        break
-            finally:
-                p.finished.set()
+            self._prefetch_one(p)
+
+    def _prefetch_one(self, p: Prefetch) -> None:
+        ps, batch = self.page_size, self.policy.batch_pages
+        try:
+            for i in range(0, len(p.keys), batch):
+                if p.cancel.is_set():
+                    break
+                bk = p.keys[i : i + batch]
+                try:
+                    ok = self.backend.batch_get_into(bk, p.host_slots[i * ps : (i + len(bk)) * ps])
+                except Exception as exc:  # noqa: BLE001
+                    self._fault("get", exc)
+                    ok = [False] * len(bk)
+                good = 0
+                while good < len(bk) and ok[good]:
+                    good += 1
+                p.landed = i + good  # leading pages only: a hole ends the prefix
+                if good < len(bk):
+                    p.failed = True
+                    break
+        finally:
+            p.finished.set()
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float = 30.0) -> None:
@@ -224,8 +241,9 @@ class StorageTier:
         if self._closed:
             return
         self._closed = True
-        self._backups.put(None)
-        self._prefetches.put(None)
+        if self.threaded:
+            self._backups.put(None)
+            self._prefetches.put(None)
         for t in self._threads:
             t.join(timeout)
         self.backend.close()
