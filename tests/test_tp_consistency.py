@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hicache import SlotState
+from hicache.storage import FileBackend
 
-from test_cache_stress import OPS, WEIGHTS, Driver, SlowCopies, build, state_of, tree_nodes
+from test_cache_stress import (
+    OPS,
+    STORAGE_OPS,
+    STORAGE_WEIGHTS,
+    WEIGHTS,
+    Driver,
+    SlowCopies,
+    build,
+    state_of,
+    tree_nodes,
+)
 
 pytestmark = pytest.mark.slow  # long randomized runs: CI runs them once, in the main environment
 
@@ -49,6 +61,17 @@ SCENARIOS = {
     ),
     "tp_stalled": dict(
         group="world", timing="stalled", page_size=1, write_policy="write_through", eviction_policy="lru"
+    ),
+    # A storage tier on both ranks (each its own directory: MHA shards have their own keys), and rank
+    # 1's backend raising on some calls: hits, landed pages and backups differ per rank, the trees not.
+    "tp_storage_one_rank_failing": dict(
+        group="world",
+        timing="jitter",
+        page_size=1,
+        write_policy="write_through",
+        eviction_policy="lru",
+        storage=True,
+        failing_rank=1,
     ),
     # Negative controls: no TP group.
     "no_tp_stalled": dict(
@@ -100,19 +123,54 @@ class Stall:
         self.gate.set()
 
 
+class FailingStore(FileBackend):
+    """A file backend that raises on a fixed share of its calls (deterministic: by call count)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.calls = {"exists": 0, "get": 0, "set": 0}
+
+    def _maybe_fail(self, kind: str, every: int) -> None:
+        self.calls[kind] += 1
+        if self.calls[kind] % every == 0:
+            raise OSError(f"injected {kind} failure")
+
+    def batch_exists(self, keys):
+        self._maybe_fail("exists", 5)
+        return super().batch_exists(keys)
+
+    def batch_get_into(self, keys, host_slots):
+        self._maybe_fail("get", 3)
+        return super().batch_get_into(keys, host_slots)
+
+    def batch_set_from(self, keys, host_slots):
+        self._maybe_fail("set", 4)
+        return super().batch_set_from(keys, host_slots)
+
+
+# Storage counters that are each rank's own (what its store wrote or failed); every other counter is agreed.
+RANK_LOCAL = ("storage_pages_written", "storage_pages_skipped", "storage_bytes_written", "storage_backups_failed")
+
+
 def snapshot(cache) -> dict:
     """Canonical, comparable state: every node by its full token path (slots, locks, counters), both
     pools' slot states, and the counters that do not measure time."""
-    metrics = {k: v for k, v in cache.metrics.as_dict().items() if not k.endswith(("_s", "gbps"))}
+    metrics = {
+        k: v for k, v in cache.metrics.as_dict().items() if not k.endswith(("_s", "gbps")) and k not in RANK_LOCAL
+    }
     return dict(state_of(cache), metrics=metrics)
 
 
-def run_scenario(rank: int, sc: dict, group) -> dict:
+def run_scenario(rank: int, sc: dict, group, workdir: Path) -> dict:
     timing = sc["timing"]
     threaded = not (timing == "stalled" and rank == 0)
+    storage = None
+    if sc.get("storage"):
+        path = workdir / f"store-rank{rank}"
+        storage = FailingStore(path) if rank == sc.get("failing_rank") else FileBackend(path)
     cache = build(
         device_slots=48, host_ratio=2.5, page_size=sc["page_size"], write_policy=sc["write_policy"],
-        eviction_policy=sc["eviction_policy"], threaded=threaded, tp_group=group,
+        eviction_policy=sc["eviction_policy"], threaded=threaded, tp_group=group, storage=storage,
     )  # fmt: skip
     ctrl = cache.controller
     agree = AgreeRecorder(ctrl)
@@ -124,7 +182,10 @@ def run_scenario(rank: int, sc: dict, group) -> dict:
     d = Driver(cache, seed=5, max_pages=4 if sc["page_size"] == 4 else 8)
     r = random.Random(17)
     # A stalled rank cannot flush between pulses (its copies would wait for the gate).
-    chosen = [(o, w) for o, w in zip(OPS, WEIGHTS, strict=True) if timing != "stalled" or o != "flush"]
+    all_ops = (
+        zip(OPS + STORAGE_OPS, WEIGHTS + STORAGE_WEIGHTS, strict=True) if storage else zip(OPS, WEIGHTS, strict=True)
+    )
+    chosen = [(o, w) for o, w in all_ops if timing != "stalled" or o != "flush"]
     ops, weights = [o for o, _ in chosen], [w for _, w in chosen]
     per_op = []
     for i in range(STEPS):
@@ -148,6 +209,8 @@ def run_scenario(rank: int, sc: dict, group) -> dict:
         lock_trace=per_op,
         counts=dict(d.counts),
         written=ctrl.metrics.tokens_written,
+        storage_failed=None if storage is None else ctrl.metrics.storage_backups_failed,
+        storage_calls=None if not isinstance(storage, FailingStore) else dict(storage.calls),
     )
 
 
@@ -170,7 +233,7 @@ def rank_main(rank: int, init_file: str, names: list[str], out: mp.Queue) -> Non
             elif sc["group"] == "new":
                 group = dist.new_group(list(range(WORLD)))  # every rank creates it, in the same order
             t0 = time.perf_counter()
-            results[name] = run_scenario(rank, sc, group)
+            results[name] = run_scenario(rank, sc, group, Path(init_file).parent)
             results[name]["seconds"] = time.perf_counter() - t0
         dist.barrier()
         dist.destroy_process_group()
@@ -238,6 +301,10 @@ def test_ranks_agree(tp_results, name):
     assert a["written"] > 0
     assert a["final"]["metrics"]["device_evicted_tokens"] > 0
     assert a["counts"].get("load_back_done", 0) > 0 and a["final"]["metrics"]["load_backs"] > 0
+    if SCENARIOS[name].get("storage"):
+        # The failing rank's store really failed (and the other's did not), yet nothing diverged.
+        assert a["storage_failed"] == 0 and b["storage_failed"] > 0
+        assert a["counts"]["prefetch_done"] > 0 and a["final"]["metrics"]["storage_hit_tokens"] > 0
 
 
 def test_without_tp_group_ranks_diverge(tp_results):
