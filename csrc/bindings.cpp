@@ -4,15 +4,20 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "build_facts.h"
 #include "copy_engine.h"
+#include "page_checksum.h"
 #include "page_stack.h"
 #include "radix_tree.h"
 #include "runtime.h"
@@ -399,6 +404,68 @@ bool same_items(py::handle seq, const py::bytes& ptrs) {
   return true;
 }
 
+// checksum_words over a buffer of whole 64-bit words, without the GIL.
+uint64_t checksum_words(const py::buffer& data, uint64_t first, uint64_t sum) {
+  py::buffer_info info = data.request();
+  const int64_t nbytes = info.size * info.itemsize;
+  if (info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != info.itemsize) || nbytes % 8) {
+    throw py::value_error("data: expected a contiguous 1-D buffer of whole 8-byte words");
+  }
+  py::gil_scoped_release release;
+  return hicache::checksum_words(static_cast<const unsigned char*>(info.ptr), nbytes / 8, first,
+                                 sum);
+}
+
+// Reads len(buffers[i]) bytes into each buffer from fd at offset (in order, chunk by chunk) and
+// adds each chunk to the checksum right after it lands (still in the CPU cache); every buffer a
+// whole number of 8-byte words. Returns (bytes read, sum): fewer bytes at end of file. No GIL while
+// reading.
+py::tuple pread_checksum(int fd, int64_t offset, const py::list& buffers, uint64_t first,
+                         uint64_t sum, int64_t chunk) {
+  if (chunk <= 0 || chunk % 8) throw py::value_error("chunk: expected a positive multiple of 8");
+  std::vector<std::pair<unsigned char*, int64_t>> bufs;
+  for (py::handle h : buffers) {
+    py::buffer_info info = py::reinterpret_borrow<py::buffer>(h).request(true);
+    const int64_t n = info.size * info.itemsize;
+    if (info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != info.itemsize) || n % 8) {
+      throw py::value_error("buffers: expected contiguous writable buffers of whole 8-byte words");
+    }
+    bufs.emplace_back(static_cast<unsigned char*>(info.ptr), n);
+  }
+  int64_t total = 0;
+  int err = 0;
+  {
+    py::gil_scoped_release release;
+    uint64_t word = first;
+    bool eof = false;
+    for (const auto& [ptr, n] : bufs) {
+      for (int64_t done = 0; done < n && !err && !eof;) {
+        const int64_t want = std::min(chunk, n - done);
+        int64_t got = 0;
+        while (got < want) {
+          const ssize_t r =
+              ::pread(fd, ptr + done + got, static_cast<size_t>(want - got), offset + total + got);
+          if (r < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+          }
+          if (r == 0) break;  // end of file
+          got += r;
+        }
+        sum = hicache::checksum_words(ptr + done, got / 8, word, sum);
+        word += got / 8;
+        total += got;
+        done += got;
+        eof = got < want;
+      }
+      if (err || eof) break;
+    }
+  }
+  if (err) throw std::system_error(err, std::generic_category(), "pread");
+  return py::make_tuple(total, sum);
+}
+
 class PyPageStack {
  public:
   PyPageStack(const py::buffer& stack, const py::buffer& states, const py::buffer& ever,
@@ -437,6 +504,11 @@ class PyPageStack {
 };
 
 void bind_radix_tree(py::module_& m) {
+  m.def("checksum_words", &checksum_words, py::arg("data"), py::arg("first"), py::arg("sum"),
+        "The file backend's page checksum over whole 8-byte words (hicache.storage.checksum).");
+  m.def("pread_checksum", &pread_checksum, py::arg("fd"), py::arg("offset"), py::arg("buffers"),
+        py::arg("first"), py::arg("sum"), py::arg("chunk"),
+        "Read a file range into buffers chunk by chunk, adding each chunk to the page checksum.");
   m.def("same_items", &same_items, py::arg("seq"), py::arg("ptrs"),
         "Whether the list/tuple seq holds exactly the objects at the addresses packed in ptrs.");
   py::class_<PyPageStack>(m, "PageStack",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool
-from hicache.storage import FileBackend, Namespace, StorageBackend, create_backend, load_config, page_keys
+from hicache.storage import FileBackend, Namespace, StorageBackend, create_backend, load_config, page_keys, page_views
 from hicache.storage.file import HEADER_BYTES
 from hicache_kernels import layouts
 
@@ -23,9 +23,9 @@ CASES = [(lay, False) for lay in layouts.LAYOUTS] + [(lay, True) for lay in layo
 PAGE = 4
 
 
-def host_pool(layout: str = "page_first", mla: bool = False, seed: int = 0) -> HostKVPool:
+def host_pool(layout: str = "page_first", mla: bool = False, seed: int = 0, head_dim: int = 8) -> HostKVPool:
     dev = DeviceKVPool(
-        num_slots=32, num_layers=3, head_num=1 if mla else 2, head_dim=8, dtype=torch.bfloat16, device="cpu",
+        num_slots=32, num_layers=3, head_num=1 if mla else 2, head_dim=head_dim, dtype=torch.bfloat16, device="cpu",
         page_size=PAGE, mla=mla,
     )  # fmt: skip
     host = HostKVPool(dev, layout=layout, ratio=4.0)
@@ -158,8 +158,15 @@ def obj(tmp_path, key):
     return tmp_path / key[:2] / f"{key}.kv"
 
 
+@pytest.mark.parametrize("read_path", ["compiled", "python"])
 @pytest.mark.parametrize("fault", ["corrupt_payload", "corrupt_header", "truncated", "extended", "empty"])
-def test_faulty_object_is_a_miss_and_removed(tmp_path, fault):
+def test_faulty_object_is_a_miss_and_removed(tmp_path, fault, read_path, monkeypatch):
+    from hicache.storage import checksum as ck
+
+    if read_path == "python":  # the chunked Python read (pure-Python builds, pages of odd-sized ranges)
+        monkeypatch.setattr(ck, "pread_checksum", None)
+    elif ck.pread_checksum is None:
+        pytest.skip("the extension is not built")
     host = host_pool(seed=4)
     src, dst = host.alloc(2 * PAGE), host.alloc(2 * PAGE)
     keys = keys_for(2)
@@ -212,7 +219,7 @@ def test_foreign_namespace_is_a_miss(tmp_path):
         import struct
         import zlib
 
-        forged[84:88] = struct.pack("<I", zlib.crc32(bytes(forged[:84])))
+        forged[88:92] = struct.pack("<I", zlib.crc32(bytes(forged[:88])))
         obj(tmp_path, key_b[0]).write_bytes(bytes(forged))
         assert b.batch_get_into(key_b, dst) == [False]
         assert b.stats()["foreign"] == 1 and obj(tmp_path, key_b[0]).exists()  # left for its owner
@@ -386,3 +393,71 @@ def test_two_processes_share_a_directory(tmp_path):
     assert result["pages"] == page_bytes(reference, reference.alloc(3 * PAGE))
     assert not [p for p in (tmp_path / "store").rglob("*.tmp")]
     assert os.listdir(store)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The page checksum
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_checksum_compiled_numpy_and_pieces_agree(monkeypatch):
+    import random
+
+    from hicache.storage import checksum as ck
+
+    r = random.Random(5)
+    for n in [0, 1, 7, 8, 9, 63, 64, 65, 1000, 4096 + 3]:
+        data = bytes(r.randrange(256) for _ in range(n))
+        whole = ck.checksum(data)
+        cuts = sorted(r.randrange(n + 1) for _ in range(3))
+        pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+        assert ck.checksum(*pieces) == whole, (n, cuts)  # any split into pieces: the same value
+        with monkeypatch.context() as m:
+            m.setattr(ck, "_compiled", None)  # the numpy twin (pure-Python builds)
+            assert ck.checksum(data) == whole and ck.checksum(*pieces) == whole
+    if ck._compiled is None:
+        pytest.skip("the extension is not built: only the numpy version ran")
+
+
+def test_checksum_sees_flips_swaps_and_length():
+    import random
+
+    from hicache.storage.checksum import checksum
+
+    r = random.Random(6)
+    data = bytearray(r.randrange(256) for _ in range(4096))
+    base = checksum(data)
+    for _ in range(200):
+        i, bit = r.randrange(len(data)), 1 << r.randrange(8)
+        data[i] ^= bit
+        assert checksum(data) != base
+        data[i] ^= bit
+    swapped = data[8:16] + data[:8] + data[16:]  # two words exchanged
+    assert checksum(swapped) != base
+    assert checksum(data + b"\0") != base and checksum(data[:-1]) != base  # zero padding is not free
+
+
+@pytest.mark.parametrize("mla", [True, False])
+def test_odd_sized_ranges_round_trip_and_corruption(tmp_path, mla):
+    """Page size 1, head_dim 3 in bf16, layer-first: every range of a page is 6 (MLA) or 12 bytes, not
+    whole 8-byte words, so the checksum carries bytes from one range to the next (the chunked Python
+    read), and the result must be the same as for the same bytes in one piece."""
+    dev = DeviceKVPool(num_slots=8, num_layers=3, head_num=1 if mla else 1, head_dim=3, dtype=torch.bfloat16,
+                       device="cpu", page_size=1, mla=mla)  # fmt: skip
+    host = HostKVPool(dev, layout="layer_first", ratio=4.0)
+    random_bytes_(host.buffer, torch.Generator().manual_seed(9))
+    assert all(n % 8 for _, n in host.page_ranges(torch.arange(1))[0])
+    src, dst = host.alloc(2), host.alloc(2)
+    keys = page_keys([5, 6], 1, namespace=Namespace("odd", "bfloat16", 3, 1, 3, 1, "layer_first", mla=mla))
+    with FileBackend(tmp_path).attach(host) as be:
+        assert be.batch_set_from(keys, src) == [True, True]
+        assert be.batch_get_into(keys, dst) == [True, True]
+        for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+            for (a, n), (b, _) in zip(host.page_ranges(torch.tensor([s_]))[0], host.page_ranges(torch.tensor([d_]))[0],
+                                      strict=True):  # fmt: skip
+                assert bytes(page_views([(a, n)])[0]) == bytes(page_views([(b, n)])[0])
+        path = obj(tmp_path, keys[0])
+        data = bytearray(path.read_bytes())
+        data[HEADER_BYTES + 5] ^= 0x10
+        path.write_bytes(bytes(data))
+        assert be.batch_get_into(keys, dst) == [False, True]

@@ -1,18 +1,20 @@
 """The ``file`` storage backend: one file per page object in a directory (local disk or shared FS).
 
-Object format: a fixed 88-byte header then the page's bytes. The header (little-endian) is the magic
-``b"HICKVPG1"``, the page key (32 bytes), the namespace digest (32 bytes, zeros when the backend has
-none), the payload length (uint64), the payload's CRC-32 (uint32) and the CRC-32 of the header fields
-before it (uint32). Every read checks all of them: a torn, truncated or corrupt object is a miss and
-is removed (unless another process has replaced it meanwhile); an object under another namespace is a
-miss and left alone.
+Object format: a fixed 92-byte header then the page's bytes. The header (little-endian) is the magic
+``b"HICKVPG2"``, the page key (32 bytes), the namespace digest (32 bytes, zeros when the backend has
+none), the payload length (uint64), the payload's checksum (uint64, :mod:`.checksum`) and the CRC-32
+of the header fields before it (uint32). Every read checks all of them: a torn, truncated or corrupt
+object (or one in another format) is a miss and is removed (unless another process has replaced it
+meanwhile); an object under another namespace is a miss and left alone.
 
 Writes go to a temporary name in the same directory and are renamed into place (atomic on POSIX), so a
 reader sees a whole object or none. Reads and writes of a batch run in a thread pool: ``os.preadv`` /
 ``os.pwritev`` move the bytes straight between the file and the host pool's pages (one iovec per
-memory range of the page, no staging copy); ``zlib.crc32`` runs over the same memory (both release the
-GIL). A read lands in the page before its checksum is known: on a mismatch the page holds garbage and
-the batch reports ``False`` for it, so the caller frees the slots instead of using them.
+memory range of the page, no staging copy). A read checks the header first, then reads the payload in
+chunks of :data:`CHUNK_BYTES` and checksums each chunk right after it lands, while it is still in the
+CPU cache (both release the GIL). A read lands in the page before its checksum is known: on a mismatch
+the page holds garbage and the batch reports ``False`` for it, so the caller frees the slots instead
+of using them.
 
 Capacity: with ``capacity_bytes`` (header included) a write evicts least-recently-used objects (an
 index ordered by last write or hit) until the new one fits, and a write larger than the capacity is
@@ -37,14 +39,17 @@ from pathlib import Path
 
 import torch
 
+from . import checksum as _checksum
 from .base import StorageBackend, page_views
+from .checksum import PageChecksum, checksum
 from .keys import DIGEST_BYTES, Namespace
 
 __all__ = ["FileBackend"]
 
-MAGIC = b"HICKVPG1"
-_HEAD = struct.Struct("<8s32s32sQI")  # magic, key, namespace, payload length, payload crc32
-_HEADER = struct.Struct("<8s32s32sQII")  # ... + crc32 of the fields above
+MAGIC = b"HICKVPG2"
+_HEAD = struct.Struct("<8s32s32sQQ")  # magic, key, namespace, payload length, payload checksum
+_HEADER = struct.Struct("<8s32s32sQQI")  # ... + crc32 of the fields above
+CHUNK_BYTES = 256 << 10  # read and checksummed while in the CPU cache
 HEADER_BYTES = _HEADER.size
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 _SUFFIX = ".kv"
@@ -84,11 +89,13 @@ def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
         bufs = _advance(bufs, n)
 
 
-def _crc(views: Sequence[memoryview]) -> int:
-    crc = 0
+def _chunks(views: Sequence[memoryview]) -> list[memoryview]:
+    """``views`` cut into pieces of at most :data:`CHUNK_BYTES`, in order."""
+    out = []
     for v in views:
-        crc = zlib.crc32(v, crc)
-    return crc
+        for i in range(0, len(v), CHUNK_BYTES):
+            out.append(v[i : i + CHUNK_BYTES])
+    return out
 
 
 class FileBackend(StorageBackend):
@@ -214,7 +221,7 @@ class FileBackend(StorageBackend):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         ok = False
         try:
-            head = _HEAD.pack(MAGIC, bytes.fromhex(key), self.namespace_digest, nbytes, _crc(views))
+            head = _HEAD.pack(MAGIC, bytes.fromhex(key), self.namespace_digest, nbytes, checksum(*views))
             header = head + struct.pack("<I", zlib.crc32(head))
             path.parent.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -237,18 +244,18 @@ class FileBackend(StorageBackend):
                 self._forget(key)
         return ok
 
-    def _check(self, key: str, header: bytes | memoryview, payload: Sequence[memoryview], got: int, nbytes: int) -> str:
-        """``"ok"``, ``"foreign"`` (another namespace) or ``"corrupt"``."""
-        if got != HEADER_BYTES + nbytes:
-            return "corrupt"
+    def _check_header(self, key: str, header: bytes | memoryview, nbytes: int) -> tuple[str, int]:
+        """``("ok", payload checksum)``, ``("foreign", 0)`` (another namespace) or ``("corrupt", 0)``."""
+        if len(header) != HEADER_BYTES:
+            return "corrupt", 0
         magic, k, ns, length, crc, head_crc = _HEADER.unpack(header)
         if magic != MAGIC or head_crc != zlib.crc32(bytes(header[: _HEAD.size])) or k != bytes.fromhex(key):
-            return "corrupt"
+            return "corrupt", 0
         if ns != self.namespace_digest:
-            return "foreign"
-        if length != nbytes or crc != _crc(payload):
-            return "corrupt"
-        return "ok"
+            return "foreign", 0
+        if length != nbytes:
+            return "corrupt", 0
+        return "ok", crc
 
     def _drop(self, key: str, path: Path, ino: int) -> None:
         """Remove a corrupt object unless another process has already replaced it."""
@@ -277,14 +284,30 @@ class FileBackend(StorageBackend):
         try:
             st = os.fstat(fd)
             header = bytearray(HEADER_BYTES)
-            got = _preadv_all(fd, [memoryview(header), *views], 0)
             if st.st_size != HEADER_BYTES + nbytes:
-                got = -1  # truncated or extended
+                verdict, crc = "corrupt", 0  # truncated or extended
+            else:
+                verdict, crc = self._check_header(key, memoryview(header)[: _preadv_all(fd, [memoryview(header)], 0)],
+                                                  nbytes)  # fmt: skip
+            if verdict == "ok":
+                if _checksum.pread_checksum is not None and not any(len(v) % 8 for v in views):
+                    # One call for the whole page: read and checksummed chunk by chunk, no GIL.
+                    got, total = _checksum.pread_checksum(fd, HEADER_BYTES, views, 0, 0, CHUNK_BYTES)
+                    ok = got == nbytes and _checksum.finish(total, nbytes) == crc
+                else:
+                    ok, offset, sums = True, HEADER_BYTES, PageChecksum()
+                    for chunk in _chunks(views):  # checksummed while still in the CPU cache
+                        if _preadv_all(fd, [chunk], offset) != len(chunk):
+                            ok = False
+                            break
+                        sums.update(chunk)
+                        offset += len(chunk)
+                    ok = ok and sums.value() == crc
+                verdict = "ok" if ok else "corrupt"
         except OSError:
             return False
         finally:
             os.close(fd)
-        verdict = self._check(key, header, views, got, nbytes)
         if verdict == "ok":
             self._touch(key, HEADER_BYTES + nbytes, path)
             return True
@@ -315,9 +338,10 @@ class FileBackend(StorageBackend):
             self._drop(key, path, ino)
             return None
         header, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
-        # The stored length decides what "whole" is here (no page geometry); _check compares it.
-        length = _HEADER.unpack(header)[3]
-        verdict = self._check(key, header, [payload], len(data) if length == nbytes else -1, nbytes)
+        # The stored length decides what "whole" is here (no page geometry); the check compares it.
+        verdict, crc = self._check_header(key, header, nbytes)
+        if verdict == "ok" and crc != checksum(payload):
+            verdict = "corrupt"
         if verdict == "ok":
             self._touch(key, len(data), path)
             return bytes(payload)

@@ -1,0 +1,489 @@
+"""The ``mooncake`` storage backend: page objects in a Mooncake Store (the distributed KV store of SGLang
+deployments), through its Python client ``mooncake.store.MooncakeDistributedStore``.
+
+One Mooncake object per page, under the page key, holding the page's bytes in the order of its memory
+ranges in the host pool (the same bytes as every other backend's page object, ``host_pool.page_bytes``
+long). :meth:`~MooncakeBackend.attach` registers the host pool's buffer with the client, and the batch
+methods move pages straight between that buffer and the store: ``batch_put_from`` / ``batch_get_into``
+when every page of the batch is one range (``page_first`` and friends with MLA), and
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` otherwise (MHA: one range per K/V;
+``layer_first``: one per K/V and layer), which gather a page's ranges into one object and scatter it back,
+still with no staging copy. A set first asks ``batch_is_exist`` and writes only the absent keys (the keys
+are content addresses: a present key already holds these bytes). :meth:`~MooncakeBackend.get` and
+:meth:`~MooncakeBackend.set` copy through the client's local buffer (``local_buffer_size`` bounds them).
+
+Failures are misses. Per key, a negative code (not found, no space, transfer failure), or a read of any
+other length than the page's, is ``False``. A call that raises, returns RPC-error codes (the master is
+gone) or outlives ``timeout_s`` marks the master *down*: a warning is logged once per outage, and until
+the client's ``health_check`` passes again (asked at most every ``retry_interval_s``) every call is an
+immediate miss (``False`` / ``0`` / ``None``) without touching the store. When the master comes back the
+same client remounts its segment by itself and the backend works again; objects the old master knew
+are gone (its metadata lived in memory). ``timeout_s`` is enforced by running each call on a daemon
+thread: a call that outlives it is left to finish in the background (the client's own RPC timeout ends
+it, about 30 s against a frozen master), and at most ``max_abandoned`` such calls are outstanding
+before the backend stops making new ones. A late *set* that succeeds is removed again (its caller was
+told ``False``, and the host pages it read may have been reused meanwhile); a late *get* may still write
+into slots its caller has freed, which the client only does if it stalls mid-transfer (a stalled master
+fails the lookup before any transfer), so ``timeout_s`` should stay well above a batch's transfer time.
+
+Set-up, for one machine with TCP (no RDMA)::
+
+    mooncake_master --rpc_port=50051 --rpc_address=127.0.0.1   # the master (from the pip package)
+    MooncakeBackend("127.0.0.1:50051")                          # metadata by P2P handshake
+
+or, with the master's embedded HTTP metadata server (``--enable_http_metadata_server=true
+--http_metadata_server_port=8080``), ``metadata_server="http://127.0.0.1:8080/metadata"``.
+
+Every client also contributes ``global_segment_size`` bytes of its own memory to the store: objects
+live in the segments of the clients that are up, and go when their client closes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .base import StorageBackend
+
+__all__ = ["MooncakeBackend", "install_hint"]
+
+log = logging.getLogger("hicache.storage.mooncake")
+
+# Mooncake ErrorCode values (mooncake-store types.h) this backend tells apart; the Python client returns ints.
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+_RPC_ERRORS = range(-999, -899)  # RPC_FAIL, RPC_TIMEOUT, ...: the master did not answer
+
+_FAILED = object()  # a call that raised, timed out, or was not made (master down, backend closed)
+
+
+def install_hint() -> str:
+    """How to install the Mooncake Store client (for error messages and skip reasons)."""
+    return (
+        "pip install mooncake-transfer-engine (CUDA builds) or mooncake-transfer-engine-non-cuda (CPU, TCP); "
+        "its extension loads libibverbs.so.1 (Debian/Ubuntu: apt-get install libibverbs1)"
+    )
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"master_server_address: expected 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _local_ip_towards(host: str, port: int) -> str:
+    """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return "127.0.0.1"
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _positive_seconds(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: expected a positive number of seconds{' or None' if allow_none else ''}, got {value!r}")
+    return float(value)
+
+
+class MooncakeBackend(StorageBackend):
+    """Page objects in a Mooncake Store.
+
+    Parameters
+    ----------
+    master_server_address : ``"host:port"`` of ``mooncake_master`` (its ``--rpc_port``).
+    metadata_server : where transfer engines find each other: ``"P2PHANDSHAKE"`` (default; no service),
+        the master's embedded HTTP metadata server (``"http://host:port/metadata"``), or an etcd address.
+    local_hostname : the address other clients reach this one at; None: the local address that routes
+        to the master (``127.0.0.1`` for a master on loopback).
+    protocol : the transfer protocol, ``"tcp"`` (default) or ``"rdma"``.
+    device_name : RDMA devices (``"mlx5_0,mlx5_1"``); ``""`` lets Mooncake choose. Unused with TCP.
+    global_segment_size : bytes of this process's memory it contributes to the store (default 1 GiB).
+    local_buffer_size : bytes of the client's staging buffer, which :meth:`get` / :meth:`set` copy
+        through (default 64 MiB); the batch methods do not use it.
+    timeout_s : the longest one call into the client may take before its pages count as misses and the
+        master as down (default 5 s); None: no bound of ours (the client's own RPC timeout, ~30 s).
+    setup_timeout_s : the longest connecting may take in the constructor (default 30 s).
+    retry_interval_s : while the master is down, how often to ask the client whether it is back (1 s).
+    replica_num : replicas per object (default 1).
+    max_abandoned : calls past ``timeout_s`` still running in the background beyond which no new call is
+        made (default 4).
+
+    Raises ``RuntimeError`` when the client is not installed or the master cannot be reached at
+    construction; store faults later are misses.
+    """
+
+    def __init__(
+        self,
+        master_server_address: str = "127.0.0.1:50051",
+        *,
+        metadata_server: str = "P2PHANDSHAKE",
+        local_hostname: str | None = None,
+        protocol: str = "tcp",
+        device_name: str = "",
+        global_segment_size: int = 1 << 30,
+        local_buffer_size: int = 64 << 20,
+        timeout_s: float | None = 5.0,
+        setup_timeout_s: float = 30.0,
+        retry_interval_s: float = 1.0,
+        replica_num: int = 1,
+        max_abandoned: int = 4,
+    ) -> None:
+        super().__init__()
+        if not isinstance(master_server_address, str):
+            raise ValueError(f"master_server_address: expected 'host:port', got {master_server_address!r}")
+        host, port = _split_address(master_server_address)
+        for name, value in [("metadata_server", metadata_server), ("protocol", protocol)]:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name}: expected a non-empty string, got {value!r}")
+        if not isinstance(device_name, str):
+            raise ValueError(f"device_name: expected a string, got {device_name!r}")
+        if local_hostname is not None and (not isinstance(local_hostname, str) or not local_hostname):
+            raise ValueError(f"local_hostname: expected None or a non-empty string, got {local_hostname!r}")
+        self.master_server_address = master_server_address
+        self.metadata_server = metadata_server
+        self.local_hostname = local_hostname or _local_ip_towards(host, port)
+        self.protocol = protocol
+        self.device_name = device_name
+        self.global_segment_size = _positive_int("global_segment_size", global_segment_size)
+        self.local_buffer_size = _positive_int("local_buffer_size", local_buffer_size)
+        self.timeout_s = _positive_seconds("timeout_s", timeout_s, allow_none=True)
+        self.setup_timeout_s = _positive_seconds("setup_timeout_s", setup_timeout_s)
+        self.retry_interval_s = _positive_seconds("retry_interval_s", retry_interval_s)
+        self.max_abandoned = _positive_int("max_abandoned", max_abandoned)
+        _positive_int("replica_num", replica_num)
+
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as e:
+            raise RuntimeError(f"the mooncake storage backend needs the Mooncake Store client: {install_hint()} ({e})") from e
+
+        self._lock = threading.Lock()
+        self._down = False  # the master is considered gone
+        self._retry_at = 0.0
+        self._abandoned = 0  # calls past timeout_s still running
+        self._closed = False
+        self._registered: tuple[int, int] | None = None  # (address, bytes) of the attached pool's buffer
+        self._counts.update(skipped=0, not_found=0, errors=0, timeouts=0, outages=0, late_gets=0, late_sets=0)
+
+        # Fail fast (and clearly) when nothing listens: setup() itself retries for about 90 s.
+        try:
+            socket.create_connection((host, port), timeout=min(self.setup_timeout_s, 5.0)).close()
+        except OSError as e:
+            raise RuntimeError(f"master_server_address: no mooncake_master answers at {master_server_address} ({e})") from e
+        self._config = ReplicateConfig()
+        self._config.replica_num = replica_num
+        store = MooncakeDistributedStore()
+        args = (self.local_hostname, metadata_server, self.global_segment_size, self.local_buffer_size, protocol,
+                device_name, master_server_address)  # fmt: skip
+        status, rc = self._run(store.setup, args, self.setup_timeout_s, on_late=lambda _: store.close())
+        if status != "ok" or rc != 0:
+            why = {"ok": f"setup returned {rc}", "raised": f"setup raised {rc!r}"}.get(
+                status, f"setup took longer than setup_timeout_s={self.setup_timeout_s:g}"
+            )
+            raise RuntimeError(
+                f"mooncake: could not connect to master {master_server_address} (metadata {metadata_server!r}, "
+                f"local_hostname {self.local_hostname!r}, protocol {protocol!r}): {why}"
+            )
+        self._store = store
+        self._multi = hasattr(store, "batch_put_from_multi_buffers") and hasattr(store, "batch_get_into_multi_buffers")
+
+    # -- bounded calls and the master's state --------------------------------------------------------
+    def _run(
+        self, fn: Callable[..., Any], args: Sequence[Any], timeout: float | None, on_late: Callable[[Any], None] | None = None
+    ) -> tuple[str, Any]:
+        """Call ``fn(*args)`` for at most ``timeout`` seconds: ``("ok", result)``, ``("raised", exc)`` or
+        ``("timeout", None)``; a call past its timeout finishes on its thread, then ``on_late(result)``."""
+        if timeout is None:
+            try:
+                return "ok", fn(*args)
+            except Exception as e:  # noqa: BLE001 - a client fault is a miss
+                return "raised", e
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                box["result"] = fn(*args)
+            except Exception as e:  # noqa: BLE001
+                box["error"] = e
+            with self._lock:
+                done.set()
+                late = box.get("late", False)
+                if late:
+                    self._abandoned -= 1
+            if late and on_late is not None and "result" in box:
+                try:
+                    on_late(box["result"])
+                except Exception:  # noqa: BLE001
+                    log.debug("mooncake: cleanup after a late call failed", exc_info=True)
+
+        threading.Thread(target=target, name="hicache-mooncake", daemon=True).start()
+        if not done.wait(timeout):
+            with self._lock:
+                if not done.is_set():
+                    box["late"] = True
+                    self._abandoned += 1
+                    return "timeout", None
+        if "error" in box:
+            return "raised", box["error"]
+        return "ok", box["result"]
+
+    def _mark_down(self, why: str) -> None:
+        with self._lock:
+            self._retry_at = time.monotonic() + self.retry_interval_s
+            if self._down:
+                return
+            self._down = True
+            self._counts["outages"] += 1
+        log.warning(
+            "mooncake: master %s unavailable (%s); storage reads and writes are misses until it answers again",
+            self.master_server_address,
+            why,
+        )
+
+    def _available(self) -> bool:
+        """Whether to call the store now: the master is up, or down but the client says it is back."""
+        with self._lock:
+            if self._closed or self._abandoned >= self.max_abandoned:
+                return False
+            if not self._down:
+                return True
+            now = time.monotonic()
+            if now < self._retry_at:
+                return False
+            self._retry_at = now + self.retry_interval_s  # one probe per interval, whoever asks
+        probe = getattr(self._store, "health_check", None)
+        if probe is not None:
+            status, rc = self._run(probe, (), self.timeout_s)
+            if status != "ok" or rc != 0:
+                return False
+        with self._lock:
+            was_down, self._down = self._down, False
+        if was_down:
+            log.info("mooncake: master %s answers again", self.master_server_address)
+        return True
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None) -> Any:
+        """A store call bounded by ``timeout_s``: its result, or ``_FAILED`` (then the master is marked down)."""
+        if not self._available():
+            return _FAILED
+        status, out = self._run(fn, args, self.timeout_s, on_late)
+        if status == "ok":
+            return out
+        if status == "timeout":
+            self._count(timeouts=1)
+            self._mark_down(f"{what} took longer than timeout_s={self.timeout_s:g}")
+        else:
+            self._mark_down(f"{what} raised {out!r}")
+        return _FAILED
+
+    def _codes(self, what: str, codes: Any, n: int) -> list[int] | None:
+        """Per-key result codes of a batch call, or None when the call failed as a whole (then marked down)."""
+        if codes is _FAILED:
+            return None
+        try:
+            codes = [int(c) for c in codes]
+        except (TypeError, ValueError):
+            codes = []
+        if len(codes) != n:
+            self._mark_down(f"{what} returned {n} keys' results as {codes!r}")
+            return None
+        rpc = [c for c in codes if c in _RPC_ERRORS]
+        if rpc:
+            self._mark_down(f"{what} failed with RPC error {rpc[0]}")
+        return codes
+
+    # -- attachment ----------------------------------------------------------------------------------
+    def attach(self, host_pool: Any) -> MooncakeBackend:
+        """Bind to ``host_pool`` and register its buffer with the client for zero-copy transfers (the
+        previous pool's buffer, if any, is unregistered). ``RuntimeError`` when the client refuses."""
+        super().attach(host_pool)
+        buf = host_pool.buffer
+        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+            raise TypeError("attach: host_pool.buffer must be a contiguous CPU tensor")
+        region = (buf.data_ptr(), buf.numel() * buf.element_size())
+        if region == self._registered:
+            return self
+        self._unregister()
+        status, rc = self._run(self._store.register_buffer, region, self.setup_timeout_s)
+        if status != "ok" or rc != 0:
+            self.host_pool = None
+            raise RuntimeError(
+                f"attach: mooncake could not register the host pool buffer ({region[1]} bytes at {region[0]:#x}): "
+                f"{'register_buffer returned ' + str(rc) if status == 'ok' else status}"
+            )
+        self._registered = region
+        return self
+
+    def _unregister(self) -> None:
+        if self._registered is not None:
+            self._run(self._store.unregister_buffer, (self._registered[0],), self.timeout_s)
+            self._registered = None
+
+    def _batch_pages(self, method: str, keys: Sequence[str], host_slots: torch.Tensor) -> list[list[tuple[int, int]]]:
+        if self._closed:
+            raise RuntimeError(f"{method}: MooncakeBackend is closed")
+        return self._pages(method, keys, host_slots)
+
+    # -- the three user-level methods ----------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str) -> bytes | None:
+        value = self._call("get", self._store.get, key)
+        if value is _FAILED or not value:  # the client returns b"" for a missing object
+            return None
+        return value if isinstance(value, bytes) else bytes(value)
+
+    def set(self, key: str, value: bytes | memoryview) -> bool:
+        if self.exists(key):
+            self._count(skipped=1)
+            return True
+        rc = self._call("put", self._store.put, key, memoryview(value).cast("B"), self._config)
+        if rc is _FAILED:
+            return False
+        if int(rc) in _RPC_ERRORS:
+            self._mark_down(f"put failed with RPC error {rc}")
+        return int(rc) in (0, OBJECT_ALREADY_EXISTS)
+
+    # -- batches -------------------------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        keys = list(keys)
+        if not keys:
+            return 0
+        codes = self._codes("batch_is_exist", self._call("batch_is_exist", self._store.batch_is_exist, keys), len(keys))
+        n = 0
+        for c in codes or ():
+            if c != 1:
+                break
+            n += 1
+        return n
+
+    def batch_get_into(self, keys: Sequence[str], host_slots: torch.Tensor) -> list[bool]:
+        pages = self._batch_pages("batch_get_into", keys, host_slots)
+        if not pages:
+            return []
+        if not self._multi and any(len(r) > 1 for r in pages):
+            return super().batch_get_into(keys, host_slots)  # an old client: copy through get()
+        keys, nbytes = list(keys), self.host_pool.page_bytes
+        if all(len(r) == 1 for r in pages):
+            fn, what = self._store.batch_get_into, "batch_get_into"
+            args = ([r[0][0] for r in pages], [r[0][1] for r in pages])
+        else:
+            fn, what = self._store.batch_get_into_multi_buffers, "batch_get_into_multi_buffers"
+            args = ([[a for a, _ in r] for r in pages], [[n for _, n in r] for r in pages])
+
+        def late(_: Any) -> None:
+            self._count(late_gets=1)
+            log.warning("mooncake: a %s finished after its timeout; its pages may have been written late", what)
+
+        codes = self._codes(what, self._call(what, fn, keys, *args, on_late=late), len(keys))
+        out = [c == nbytes for c in codes] if codes is not None else [False] * len(keys)
+        hits = sum(out)
+        if codes is not None:
+            self._count(
+                not_found=sum(c == OBJECT_NOT_FOUND for c in codes),
+                errors=sum(c != nbytes and c != OBJECT_NOT_FOUND for c in codes),
+            )
+        self._count(hits=hits, misses=len(out) - hits, bytes_read=hits * nbytes)
+        return out
+
+    def batch_set_from(self, keys: Sequence[str], host_slots: torch.Tensor) -> list[bool]:
+        pages = self._batch_pages("batch_set_from", keys, host_slots)
+        if not pages:
+            return []
+        if not self._multi and any(len(r) > 1 for r in pages):
+            return super().batch_set_from(keys, host_slots)  # an old client: copy through set()
+        keys, nbytes = list(keys), self.host_pool.page_bytes
+        out = [False] * len(keys)
+        present = self._codes("batch_is_exist", self._call("batch_is_exist", self._store.batch_is_exist, keys), len(keys))
+        if present is not None and not any(c in _RPC_ERRORS for c in present):
+            first: dict[str, int] = {}  # each absent key once (a batch may repeat a key)
+            for i, (key, c) in enumerate(zip(keys, present, strict=True)):
+                if c == 1:
+                    out[i] = True
+                else:
+                    first.setdefault(key, i)
+            self._count(skipped=sum(out))
+            if first:
+                todo = list(first.values())
+                put_keys = [keys[i] for i in todo]
+                if all(len(pages[i]) == 1 for i in todo):
+                    fn, what = self._store.batch_put_from, "batch_put_from"
+                    args = ([pages[i][0][0] for i in todo], [pages[i][0][1] for i in todo])
+                else:
+                    fn, what = self._store.batch_put_from_multi_buffers, "batch_put_from_multi_buffers"
+                    args = ([[a for a, _ in pages[i]] for i in todo], [[n for _, n in pages[i]] for i in todo])
+
+                def late(codes: Any) -> None:  # the caller was told False: take back what was stored
+                    self._count(late_sets=1)
+                    for key, c in zip(put_keys, codes, strict=False):
+                        if int(c) == 0:
+                            self._remove(key)
+
+                codes = self._codes(what, self._call(what, fn, put_keys, *args, self._config, on_late=late), len(todo))
+                if codes is not None:
+                    stored = {keys[i]: c in (0, OBJECT_ALREADY_EXISTS) for i, c in zip(todo, codes, strict=True)}
+                    self._count(errors=sum(not ok for ok in stored.values()))
+                    out = [ok or stored.get(key, False) for key, ok in zip(keys, out, strict=True)]
+        done = sum(out)
+        self._count(sets=done, set_failures=len(out) - done, bytes_written=done * nbytes)
+        return out
+
+    def _remove(self, key: str) -> None:
+        try:
+            self._store.remove(key, force=True)
+        except TypeError:  # a client without force=
+            self._store.remove(key)
+
+    # -- the rest ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int | float | str]:
+        """The base counters plus ``skipped`` (keys already stored on a set), ``not_found``, ``errors``
+        (other per-key failures), ``timeouts``, ``outages`` (times the master was marked down),
+        ``late_gets`` / ``late_sets`` (calls that finished after their timeout), ``master_up``,
+        ``abandoned`` (calls past their timeout still running) and ``master``."""
+        out = super().stats()
+        with self._lock:
+            out.update(master_up=int(not self._down), abandoned=self._abandoned, master=self.master_server_address)
+        return out
+
+    def close(self) -> None:
+        """Unregister the host pool's buffer and close the client (its segment leaves the store, with the
+        objects in it). Bounded by ``setup_timeout_s``; a client that takes longer is left to finish."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        store = getattr(self, "_store", None)
+        if store is None:
+            return
+
+        def shut() -> None:
+            if self._registered is not None:
+                store.unregister_buffer(self._registered[0])
+                self._registered = None
+            store.close()
+
+        status, err = self._run(shut, (), self.setup_timeout_s)
+        if status != "ok":
+            log.warning("mooncake: closing the client %s", "timed out" if status == "timeout" else f"raised {err!r}")
