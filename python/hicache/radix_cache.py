@@ -532,7 +532,10 @@ class HiRadixCache(CopyAcks, StorageOps):
             pending = [x for x in chosen if x.host_value is None]
             if pending:
                 self._backup_many(pending)  # one copy op for all of them
-                self.flush()  # write-back: the host copy must exist before the device copy goes
+                # Write-back: the host copy must exist before the device copy goes (the storage backups
+                # these host copies start are not waited for).
+                self.controller.flush()
+                self._take_acks()
                 chosen = [x for x in chosen if x.value is not None]  # acks may have released lost subtrees
         freed = 0
         # Children before parents: a parent is only evictable once its device children are gone.
