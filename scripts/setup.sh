@@ -11,6 +11,9 @@
 #   HICACHE_TRITON_SPEC  pip requirement for triton when .venv has none (default "triton")
 #   HICACHE_VENV         where the environment goes (default .venv); PYTHON: interpreter to create it
 #   HICACHE_SYSTEM_SITE=1  let the venv see the interpreter's packages (reuse an installed CUDA torch)
+#   HICACHE_MOONCAKE=1   also the Mooncake Store client (the storage tier's mooncake backend and its
+#                        tests; a CPU machine also needs the libibverbs1 system library, installed here
+#                        with apt-get when run as root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HICACHE_VENV:-.venv}
@@ -33,4 +36,12 @@ fi
 # --no-build-isolation: build against the tools installed above (also how a GPU box without network
 # builds); the extension itself does not link torch, so any torch works.
 pip install -q --no-build-isolation -e ".[test]"
+if [ "${HICACHE_MOONCAKE:-0}" = 1 ]; then
+  if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }; } >/dev/null 2>&1 ||
+      echo "setup: could not install libibverbs1: the mooncake tests will skip, saying why"
+  fi
+  pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" ||
+    echo "setup: could not install the Mooncake Store client: the mooncake tests will skip, saying why"
+fi
 python -m hicache_kernels.info

@@ -13,16 +13,19 @@ are content addresses: a present key already holds these bytes). :meth:`~Mooncak
 :meth:`~MooncakeBackend.set` copy through the client's local buffer (``local_buffer_size`` bounds them).
 
 Failures are misses. Per key, a negative code (not found, no space, transfer failure), or a read of any
-other length than the page's, is ``False``. A call that raises, returns RPC-error codes (the master is
-gone) or outlives ``timeout_s`` marks the master *down*: a warning is logged once per outage, and until
+other length than the page's, is ``False``. A client call that raises, returns RPC-error codes (the
+master is gone) or runs past the method's ``timeout_s`` (every method returns within it, all its client
+calls included) marks the master *down*: a warning is logged once per outage, and until
 the client's ``health_check`` passes again (asked at most every ``retry_interval_s``) every call is an
 immediate miss (``False`` / ``0`` / ``None``) without touching the store. When the master comes back the
 same client remounts its segment by itself and the backend works again; objects the old master knew
-are gone (its metadata lived in memory). ``timeout_s`` is enforced by running each call on a daemon
-thread: a call that outlives it is left to finish in the background (the client's own RPC timeout ends
-it, about 30 s against a frozen master), and at most ``max_abandoned`` such calls are outstanding
-before the backend stops making new ones. A late *set* that succeeds is removed again (its caller was
-told ``False``, and the host pages it read may have been reused meanwhile); a late *get* may still write
+are gone (its metadata lived in memory). ``timeout_s`` is enforced by running client calls on shared
+daemon threads: a call that outlives it is left to finish in the background (the client's own RPC
+timeout ends it, about 30 s against a frozen master), and while ``max_abandoned`` such calls are
+outstanding the backend makes no new ones. A late *set* is removed again (its caller was told
+``False``, and the host pages it read may have been reused meanwhile; as a put of a present key also
+reports success, this may drop an object another client stored meanwhile: a later miss, never wrong
+bytes; an object a reader holds a lease on stays); a late *get* may still write
 into slots its caller has freed, which the client only does if it stalls mid-transfer (a stalled master
 fails the lookup before any transfer), so ``timeout_s`` should stay well above a batch's transfer time.
 
@@ -34,14 +37,17 @@ Set-up, for one machine with TCP (no RDMA)::
 or, with the master's embedded HTTP metadata server (``--enable_http_metadata_server=true
 --http_metadata_server_port=8080``), ``metadata_server="http://127.0.0.1:8080/metadata"``.
 
-Every client also contributes ``global_segment_size`` bytes of its own memory to the store: objects
-live in the segments of the clients that are up, and go when their client closes.
+All clients of one master must use the same kind of metadata server (a P2P-handshake client cannot
+reach the segment of an HTTP-metadata one, and the other way round). Every client also contributes
+``global_segment_size`` bytes of its own memory to the store: objects live in the segments of the
+clients that are up, and go when their client closes.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import queue
 import socket
 import threading
 import time
@@ -62,6 +68,35 @@ OBJECT_ALREADY_EXISTS = -705
 _RPC_ERRORS = range(-999, -899)  # RPC_FAIL, RPC_TIMEOUT, ...: the master did not answer
 
 _FAILED = object()  # a call that raised, timed out, or was not made (master down, backend closed)
+
+
+class _Workers:
+    """Daemon threads that run the client's calls for :meth:`MooncakeBackend._run`, shared by every
+    backend of the process: started when none is idle, never joined (a stuck call must not hold up the
+    interpreter's exit), reused (a call on a warm thread costs ~10x less than on a new one)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job, less the jobs queued for them
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        if start:
+            threading.Thread(target=self._loop, name="hicache-mooncake", daemon=True).start()
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_WORKERS = _Workers()
 
 
 def install_hint() -> str:
@@ -101,7 +136,9 @@ def _positive_seconds(name: str, value: Any, *, allow_none: bool = False) -> flo
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a positive number of seconds{' or None' if allow_none else ''}, got {value!r}")
+        raise ValueError(
+            f"{name}: expected a positive number of seconds{' or None' if allow_none else ''}, got {value!r}"
+        )
     return float(value)
 
 
@@ -120,8 +157,10 @@ class MooncakeBackend(StorageBackend):
     global_segment_size : bytes of this process's memory it contributes to the store (default 1 GiB).
     local_buffer_size : bytes of the client's staging buffer, which :meth:`get` / :meth:`set` copy
         through (default 64 MiB); the batch methods do not use it.
-    timeout_s : the longest one call into the client may take before its pages count as misses and the
-        master as down (default 5 s); None: no bound of ours (the client's own RPC timeout, ~30 s).
+    timeout_s : the longest one method call may take, its calls into the client included (the existence
+        check and the put of a set, a health probe while the master is down), before its pages count as
+        misses and the master as down (default 5 s); None: no bound of ours (the client's own RPC
+        timeout, ~30 s against a frozen master).
     setup_timeout_s : the longest connecting may take in the constructor (default 30 s).
     retry_interval_s : while the master is down, how often to ask the client whether it is back (1 s).
     replica_num : replicas per object (default 1).
@@ -175,10 +214,13 @@ class MooncakeBackend(StorageBackend):
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:
-            raise RuntimeError(f"the mooncake storage backend needs the Mooncake Store client: {install_hint()} ({e})") from e
+            raise RuntimeError(
+                f"the mooncake storage backend needs the Mooncake Store client: {install_hint()} ({e})"
+            ) from e
 
         self._lock = threading.Lock()
-        self._down = False  # the master is considered gone
+        self._down = False  # the master is considered gone: no calls but a probe per retry_interval_s
+        self._warned = False  # an outage was logged and no call has reached the master since
         self._retry_at = 0.0
         self._abandoned = 0  # calls past timeout_s still running
         self._closed = False
@@ -189,7 +231,9 @@ class MooncakeBackend(StorageBackend):
         try:
             socket.create_connection((host, port), timeout=min(self.setup_timeout_s, 5.0)).close()
         except OSError as e:
-            raise RuntimeError(f"master_server_address: no mooncake_master answers at {master_server_address} ({e})") from e
+            raise RuntimeError(
+                f"master_server_address: no mooncake_master answers at {master_server_address} ({e})"
+            ) from e
         self._config = ReplicateConfig()
         self._config.replica_num = replica_num
         store = MooncakeDistributedStore()
@@ -209,7 +253,11 @@ class MooncakeBackend(StorageBackend):
 
     # -- bounded calls and the master's state --------------------------------------------------------
     def _run(
-        self, fn: Callable[..., Any], args: Sequence[Any], timeout: float | None, on_late: Callable[[Any], None] | None = None
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        timeout: float | None,
+        on_late: Callable[[Any], None] | None = None,
     ) -> tuple[str, Any]:
         """Call ``fn(*args)`` for at most ``timeout`` seconds: ``("ok", result)``, ``("raised", exc)`` or
         ``("timeout", None)``; a call past its timeout finishes on its thread, then ``on_late(result)``."""
@@ -237,7 +285,7 @@ class MooncakeBackend(StorageBackend):
                 except Exception:  # noqa: BLE001
                     log.debug("mooncake: cleanup after a late call failed", exc_info=True)
 
-        threading.Thread(target=target, name="hicache-mooncake", daemon=True).start()
+        _WORKERS.submit(target)
         if not done.wait(timeout):
             with self._lock:
                 if not done.is_set():
@@ -249,11 +297,14 @@ class MooncakeBackend(StorageBackend):
         return "ok", box["result"]
 
     def _mark_down(self, why: str) -> None:
+        """Stop calling the store for ``retry_interval_s``; warn once per outage (an outage ends with a
+        call that reaches the master, not with a passing health probe, which can lag a lost master)."""
         with self._lock:
             self._retry_at = time.monotonic() + self.retry_interval_s
-            if self._down:
-                return
             self._down = True
+            if self._warned:
+                return
+            self._warned = True
             self._counts["outages"] += 1
         log.warning(
             "mooncake: master %s unavailable (%s); storage reads and writes are misses until it answers again",
@@ -261,7 +312,16 @@ class MooncakeBackend(StorageBackend):
             why,
         )
 
-    def _available(self) -> bool:
+    def _deadline(self) -> float | None:
+        """When a public call must be done by: it may make a probe and up to two client calls, all within
+        one ``timeout_s``."""
+        return None if self.timeout_s is None else time.monotonic() + self.timeout_s
+
+    @staticmethod
+    def _left(deadline: float | None) -> float | None:
+        return None if deadline is None else deadline - time.monotonic()
+
+    def _available(self, deadline: float | None) -> bool:
         """Whether to call the store now: the master is up, or down but the client says it is back."""
         with self._lock:
             if self._closed or self._abandoned >= self.max_abandoned:
@@ -274,20 +334,38 @@ class MooncakeBackend(StorageBackend):
             self._retry_at = now + self.retry_interval_s  # one probe per interval, whoever asks
         probe = getattr(self._store, "health_check", None)
         if probe is not None:
-            status, rc = self._run(probe, (), self.timeout_s)
+            left = self._left(deadline)
+            status, rc = self._run(probe, (), left) if left is None or left > 0 else ("timeout", None)
             if status != "ok" or rc != 0:
                 return False
         with self._lock:
-            was_down, self._down = self._down, False
-        if was_down:
-            log.info("mooncake: master %s answers again", self.master_server_address)
+            self._down = False  # on probation: the outage ends with a call that reaches the master
         return True
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None) -> Any:
-        """A store call bounded by ``timeout_s``: its result, or ``_FAILED`` (then the master is marked down)."""
-        if not self._available():
+    def _reached(self) -> None:
+        """A call reached the master: the outage, if any, is over."""
+        with self._lock:
+            was, self._warned = self._warned, False
+        if was:
+            log.info("mooncake: master %s answers again", self.master_server_address)
+
+    def _call(
+        self,
+        what: str,
+        deadline: float | None,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_late: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """A store call that returns by ``deadline``: its result, or ``_FAILED`` (when it raised or ran out
+        of time the master is marked down; when no time was left it is not made)."""
+        if not self._available(deadline):
             return _FAILED
-        status, out = self._run(fn, args, self.timeout_s, on_late)
+        left = self._left(deadline)
+        if left is not None and left <= 0:
+            self._count(timeouts=1)
+            return _FAILED
+        status, out = self._run(fn, args, left, on_late)
         if status == "ok":
             return out
         if status == "timeout":
@@ -311,6 +389,8 @@ class MooncakeBackend(StorageBackend):
         rpc = [c for c in codes if c in _RPC_ERRORS]
         if rpc:
             self._mark_down(f"{what} failed with RPC error {rpc[0]}")
+        else:
+            self._reached()
         return codes
 
     # -- attachment ----------------------------------------------------------------------------------
@@ -350,28 +430,40 @@ class MooncakeBackend(StorageBackend):
         return self.batch_exists([key]) == 1
 
     def get(self, key: str) -> bytes | None:
-        value = self._call("get", self._store.get, key)
+        value = self._call("get", self._deadline(), self._store.get, key)
         if value is _FAILED or not value:  # the client returns b"" for a missing object
             return None
         return value if isinstance(value, bytes) else bytes(value)
 
     def set(self, key: str, value: bytes | memoryview) -> bool:
-        if self.exists(key):
+        deadline = self._deadline()
+        present = self._exist_codes([key], deadline)
+        if present is None or present[0] in _RPC_ERRORS:
+            return False
+        if present[0] == 1:
             self._count(skipped=1)
             return True
-        rc = self._call("put", self._store.put, key, memoryview(value).cast("B"), self._config)
+        rc = self._call("put", deadline, self._store.put, key, memoryview(value).cast("B"), self._config)
         if rc is _FAILED:
             return False
         if int(rc) in _RPC_ERRORS:
             self._mark_down(f"put failed with RPC error {rc}")
+        else:
+            self._reached()
         return int(rc) in (0, OBJECT_ALREADY_EXISTS)
 
     # -- batches -------------------------------------------------------------------------------------
+    def _exist_codes(self, keys: list[str], deadline: float | None) -> list[int] | None:
+        """``batch_is_exist``'s per-key codes (1 present, 0 absent, negative an error), or None."""
+        return self._codes(
+            "batch_is_exist", self._call("batch_is_exist", deadline, self._store.batch_is_exist, keys), len(keys)
+        )
+
     def batch_exists(self, keys: Sequence[str]) -> int:
         keys = list(keys)
         if not keys:
             return 0
-        codes = self._codes("batch_is_exist", self._call("batch_is_exist", self._store.batch_is_exist, keys), len(keys))
+        codes = self._exist_codes(keys, self._deadline())
         n = 0
         for c in codes or ():
             if c != 1:
@@ -397,7 +489,7 @@ class MooncakeBackend(StorageBackend):
             self._count(late_gets=1)
             log.warning("mooncake: a %s finished after its timeout; its pages may have been written late", what)
 
-        codes = self._codes(what, self._call(what, fn, keys, *args, on_late=late), len(keys))
+        codes = self._codes(what, self._call(what, self._deadline(), fn, keys, *args, on_late=late), len(keys))
         out = [c == nbytes for c in codes] if codes is not None else [False] * len(keys)
         hits = sum(out)
         if codes is not None:
@@ -416,7 +508,8 @@ class MooncakeBackend(StorageBackend):
             return super().batch_set_from(keys, host_slots)  # an old client: copy through set()
         keys, nbytes = list(keys), self.host_pool.page_bytes
         out = [False] * len(keys)
-        present = self._codes("batch_is_exist", self._call("batch_is_exist", self._store.batch_is_exist, keys), len(keys))
+        deadline = self._deadline()
+        present = self._exist_codes(keys, deadline)
         if present is not None and not any(c in _RPC_ERRORS for c in present):
             first: dict[str, int] = {}  # each absent key once (a batch may repeat a key)
             for i, (key, c) in enumerate(zip(keys, present, strict=True)):
@@ -441,7 +534,8 @@ class MooncakeBackend(StorageBackend):
                         if int(c) == 0:
                             self._remove(key)
 
-                codes = self._codes(what, self._call(what, fn, put_keys, *args, self._config, on_late=late), len(todo))
+                put = self._call(what, deadline, fn, put_keys, *args, self._config, on_late=late)
+                codes = self._codes(what, put, len(todo))
                 if codes is not None:
                     stored = {keys[i]: c in (0, OBJECT_ALREADY_EXISTS) for i, c in zip(todo, codes, strict=True)}
                     self._count(errors=sum(not ok for ok in stored.values()))
@@ -451,15 +545,13 @@ class MooncakeBackend(StorageBackend):
         return out
 
     def _remove(self, key: str) -> None:
-        try:
-            self._store.remove(key, force=True)
-        except TypeError:  # a client without force=
-            self._store.remove(key)
+        # Not force=True: a reader holding the object's lease keeps it (a put of a present key also returns 0).
+        self._store.remove(key)
 
     # -- the rest ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float | str]:
         """The base counters plus ``skipped`` (keys already stored on a set), ``not_found``, ``errors``
-        (other per-key failures), ``timeouts``, ``outages`` (times the master was marked down),
+        (other per-key failures), ``timeouts``, ``outages`` (master outages, each logged once),
         ``late_gets`` / ``late_sets`` (calls that finished after their timeout), ``master_up``,
         ``abandoned`` (calls past their timeout still running) and ``master``."""
         out = super().stats()

@@ -24,8 +24,9 @@ __all__ = ["BUILTIN_BACKENDS", "create_backend", "load_config"]
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "file": "hicache.storage.file:FileBackend",
+    "mooncake": "hicache.storage.mooncake:MooncakeBackend",
 }
-_PLANNED = {"mooncake": "the Mooncake backend is not implemented yet (issue #13)"}
+_PLANNED: dict[str, str] = {}
 
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
