@@ -84,6 +84,7 @@ def test_round_trip_through_storage(tmp_path, layout, mla):
         assert b.metrics.storage_hit_tokens == len(TOKENS) and b.metrics.storage_pages_read == 12
         assert load_and_check(b, TOKENS) == len(TOKENS)  # byte-identical, not recomputed
         assert b.metrics.prefetch_latency_s and b.metrics.prefetches_cut == {}
+        assert b.metrics.storage_bytes_read == 12 * b.host_pool.page_bytes and b.metrics.storage_read_gbps > 0
 
 
 def test_pages_already_stored_are_not_written_again(tmp_path):

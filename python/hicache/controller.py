@@ -73,6 +73,7 @@ class CacheMetrics:
     storage_hit_tokens: int = 0  # tokens a prefetch brought into the host pool and the tree
     storage_pages_read: int = 0
     storage_bytes_read: int = 0
+    storage_read_time_s: float = 0.0  # the prefetch I/O thread's time on prefetches that finished
     prefetches: int = 0  # started
     prefetches_cut: dict[str, int] = field(default_factory=dict)  # per policy: stopped before every page landed
     prefetches_discarded: int = 0  # landed, but the tree had meanwhile cached those tokens: slots freed
@@ -91,6 +92,11 @@ class CacheMetrics:
         t = self.storage_write_time_s
         return self.storage_bytes_written / t / 1e9 if t else 0.0
 
+    @property
+    def storage_read_gbps(self) -> float:
+        t = self.storage_read_time_s
+        return self.storage_bytes_read / t / 1e9 if t else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         lat = d.pop("load_back_latency_s")
@@ -101,6 +107,7 @@ class CacheMetrics:
             load_back_latency_mean_s=sum(lat) / len(lat) if lat else 0.0,
             load_back_latency_max_s=max(lat, default=0.0),
             storage_write_gbps=self.storage_write_gbps,
+            storage_read_gbps=self.storage_read_gbps,
             prefetch_latency_mean_s=sum(plat) / len(plat) if plat else 0.0,
             prefetch_latency_max_s=max(plat, default=0.0),
         )

@@ -256,6 +256,8 @@ class StorageOps:
             cut = m.prefetches_cut
             cut[self._storage.policy.name] = cut.get(self._storage.policy.name, 0) + 1
         m.prefetch_latency_s.append(time.perf_counter() - p.start)
+        if p.finished.is_set():
+            m.storage_read_time_s += p.read_s
         rest = p.host_slots[n:] if used else p.host_slots
         if p.finished.is_set():
             if len(rest):

@@ -82,6 +82,7 @@ class Prefetch:
     deadline: float
     landed: int = 0
     failed: bool = False
+    read_s: float = 0.0  # the I/O thread's time on it
     cancel: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)  # the I/O thread is done with it
 
@@ -214,6 +215,7 @@ class StorageTier:
 
     def _prefetch_one(self, p: Prefetch) -> None:
         ps, batch = self.page_size, self.policy.batch_pages
+        t0 = time.perf_counter()
         try:
             for i in range(0, len(p.keys), batch):
                 if p.cancel.is_set():
@@ -232,6 +234,7 @@ class StorageTier:
                     p.failed = True
                     break
         finally:
+            p.read_s = time.perf_counter() - t0
             p.finished.set()
 
     # ------------------------------------------------------------------ shutdown
