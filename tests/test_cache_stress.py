@@ -395,10 +395,16 @@ class Driver:
             self.counts["prefetch_started"] += 1
 
     def finish_prefetch(self, rid: int) -> None:
-        """Wait for the prefetch's I/O (so what lands does not depend on thread timing), then admit."""
+        """Wait for the prefetch's query, then its read (so what lands does not depend on thread
+        timing), polling as a scheduler would until it admits the request."""
         c = self.cache
-        c._prefetch_ops[rid].finished.wait(60)
-        assert c.check_prefetch_progress(rid)
+        for _ in range(100):
+            p = c._prefetch_ops[rid]
+            assert (p.queried if p.state == "query" else p.finished).wait(60), "prefetch thread stuck"
+            if c.check_prefetch_progress(rid):
+                break
+        else:
+            raise AssertionError(f"prefetch {rid} never admitted")
         self.prefetching.remove(rid)
         self.counts["prefetch_done"] += 1
 

@@ -47,16 +47,19 @@ def store(backend: StorageBackend, tokens: list[int] = TOKENS, **kw) -> dict:
     return m
 
 
-def prefetch(cache: HiRadixCache, tokens: list[int], rid: str = "r", timeout: float = 10.0) -> bool:
-    """match -> prefetch -> poll until admitted (True) or no prefetch started (False)."""
+def prefetch(cache: HiRadixCache, tokens: list[int], rid: str = "r", timeout: float = 10.0) -> int:
+    """match -> prefetch -> poll until admitted; returns the tokens the prefetch brought into the tree
+    (0 also when none was requested: below the threshold)."""
+    before = cache.metrics.storage_hit_tokens
     m = cache.match_prefix(tokens)
     if not cache.prefetch_from_storage(rid, m.last_host_node, tokens):
-        return False
+        return 0
     t0 = time.perf_counter()
     while not cache.check_prefetch_progress(rid):
         assert time.perf_counter() - t0 < timeout, "prefetch never finished"
         time.sleep(0.001)
-    return True
+    assert rid not in cache._prefetch_ops
+    return cache.metrics.storage_hit_tokens - before
 
 
 def load_and_check(cache: HiRadixCache, tokens: list[int]) -> int:
@@ -80,8 +83,7 @@ def test_round_trip_through_storage(tmp_path, layout, mla):
     m = store(FileBackend(tmp_path), layout=layout, mla=mla)
     assert m["storage_pages_written"] == len(TOKENS) // 4 and m["storage_backups_failed"] == 0
     with make(FileBackend(tmp_path), layout=layout, mla=mla) as b:  # a fresh instance: nothing cached
-        assert prefetch(b, TOKENS)
-        assert b.metrics.storage_hit_tokens == len(TOKENS) and b.metrics.storage_pages_read == 12
+        assert prefetch(b, TOKENS) == len(TOKENS) and b.metrics.storage_pages_read == 12
         assert load_and_check(b, TOKENS) == len(TOKENS)  # byte-identical, not recomputed
         assert b.metrics.prefetch_latency_s and b.metrics.prefetches_cut == {}
         assert b.metrics.storage_bytes_read == 12 * b.host_pool.page_bytes and b.metrics.storage_read_gbps > 0
@@ -97,8 +99,7 @@ def test_prefetch_continues_a_host_hit_and_keeps_the_chain(tmp_path):
     store(FileBackend(tmp_path))
     with make(FileBackend(tmp_path)) as b:
         prefill(b, TOKENS[:16])  # b computes the first 4 pages itself
-        assert prefetch(b, TOKENS)
-        assert b.metrics.storage_hit_tokens == 32
+        assert prefetch(b, TOKENS) == 32
         assert load_and_check(b, TOKENS) == 48
         # The prefetched node's keys continue the chain: extending it stores under the same keys.
         longer = TOKENS + [5, 6, 7, 8]
@@ -110,17 +111,18 @@ def test_prefetch_continues_a_host_hit_and_keeps_the_chain(tmp_path):
 def test_another_model_or_salt_never_reads_the_pages(tmp_path):
     store(FileBackend(tmp_path))
     with make(FileBackend(tmp_path), model_id="other-model") as b:
-        assert not prefetch(b, TOKENS)
-        assert b.metrics.storage_hit_tokens == 0
+        assert prefetch(b, TOKENS) == 0 and b.metrics.prefetches == 0  # queried, nothing stored: no read
+        b.verify()
     with make(FileBackend(tmp_path), mla=True) as b:  # other geometry: other namespace
-        assert not prefetch(b, TOKENS)
+        assert prefetch(b, TOKENS) == 0
 
 
 def test_below_threshold_nothing_starts(tmp_path):
     store(FileBackend(tmp_path))
     with make(FileBackend(tmp_path), threshold=64) as b:
-        assert not prefetch(b, TOKENS)
-        assert b.metrics.prefetches == 0
+        m = b.match_prefix(TOKENS)
+        assert not b.prefetch_from_storage("r", m.last_host_node, TOKENS)  # 48 tokens < 64: not requested
+        assert b.metrics.prefetches == 0 and not b._prefetch_ops
         b.verify()
 
 
@@ -138,8 +140,7 @@ def test_corrupt_page_ends_the_prefix_and_nothing_wrong_is_loaded(tmp_path):
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))
     with make(FileBackend(tmp_path)) as b:
-        assert prefetch(b, TOKENS)
-        assert b.metrics.storage_hit_tokens == 20  # pages 0-4; the corrupt one and all after are misses
+        assert prefetch(b, TOKENS) == 20  # pages 0-4; the corrupt one and all after are misses
         assert b.metrics.prefetches_cut == {"wait_complete": 1}
         assert load_and_check(b, TOKENS) == 20
     assert not victim.exists()  # a corrupt object is removed
@@ -150,8 +151,7 @@ def test_truncated_page_is_a_miss(tmp_path):
     for f in Path(tmp_path).rglob("*.kv"):
         f.write_bytes(f.read_bytes()[:40])
     with make(FileBackend(tmp_path)) as b:
-        assert prefetch(b, TOKENS)
-        assert b.metrics.storage_hit_tokens == 0
+        assert prefetch(b, TOKENS) == 0
         assert load_and_check(b, TOKENS) == 0
 
 
@@ -159,7 +159,7 @@ def test_full_store_stores_nothing_and_says_so(tmp_path):
     m = store(FileBackend(tmp_path, capacity_bytes=0))
     assert m["storage_pages_written"] == 0 and m["storage_backups_failed"] == 0
     with make(FileBackend(tmp_path)) as b:
-        assert not prefetch(b, TOKENS)
+        assert prefetch(b, TOKENS) == 0
 
 
 class Flaky(FileBackend):
@@ -191,11 +191,10 @@ def test_a_raising_backend_is_a_miss_never_an_exception(tmp_path, caplog):
     assert "hicache storage backup failed" in caplog.text
     store(FileBackend(tmp_path))
     with make(Flaky(tmp_path, {"exists"})) as b:
-        assert not prefetch(b, TOKENS)
+        assert prefetch(b, TOKENS) == 0 and b.metrics.prefetches == 0
         b.verify()
     with make(Flaky(tmp_path, {"get"})) as b:
-        assert prefetch(b, TOKENS)
-        assert b.metrics.storage_hit_tokens == 0
+        assert prefetch(b, TOKENS) == 0 and b.metrics.prefetches == 1
         assert load_and_check(b, TOKENS) == 0
 
 
@@ -224,7 +223,8 @@ def test_timeout_policy_admits_at_the_deadline_keeping_what_landed(tmp_path, mon
               threaded=True) as b:  # fmt: skip
         m = b.match_prefix(TOKENS)
         assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
-        while backend.calls < 3:
+        while backend.calls < 3:  # the first checks agree the query's hit and start the read
+            assert not b.check_prefetch_progress("r")
             time.sleep(0.001)
         assert not b.check_prefetch_progress("r")  # before the deadline, the store still hung
         b.verify()
@@ -251,10 +251,22 @@ def test_best_effort_admits_at_once(tmp_path):
     with make(backend, policy="best_effort", batch_pages=1, threaded=True) as b:
         m = b.match_prefix(TOKENS)
         assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
+        b._prefetch_ops["r"].queried.wait(10)  # the request reaches the scheduler after the query
         assert b.check_prefetch_progress("r")  # the first call admits; what landed by then is kept
         landed = b.metrics.storage_hit_tokens
-        assert landed % 4 == 0 and landed <= 48
+        assert landed % 4 == 0 and landed <= 48 and b.metrics.prefetches == 1
         assert load_and_check(b, TOKENS) == landed
+        # Reached before its query was done: admitted at once with nothing, the node unlocked.
+        backend2 = Gated(tmp_path)
+        with make(backend2, policy="best_effort", threaded=True) as c:
+            slow = threading.Event()
+            real = c.storage._query_one
+            c.storage._query_one = lambda p: (slow.wait(10), real(p))
+            m = c.match_prefix(TOKENS)
+            assert c.prefetch_from_storage("r", m.last_host_node, TOKENS)
+            assert c.check_prefetch_progress("r") and c.metrics.prefetches == 0 and not c._prefetch_ops
+            slow.set()
+            c.verify()
 
 
 def test_host_eviction_waits_for_the_storage_backup(tmp_path):
@@ -289,7 +301,7 @@ def test_prefetch_discarded_when_the_tree_caught_up(tmp_path):
     with make(FileBackend(tmp_path)) as b:
         m = b.match_prefix(TOKENS)
         assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
-        prefill(b, TOKENS)  # the request was computed meanwhile
+        prefill(b, TOKENS)  # the request was computed meanwhile (the prefetch still only queried)
         while not b.check_prefetch_progress("r"):
             time.sleep(0.001)
         assert b.metrics.prefetches_discarded == 1 and b.metrics.storage_hit_tokens == 0

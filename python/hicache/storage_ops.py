@@ -8,12 +8,12 @@ Mixin of :class:`~hicache.radix_cache.HiRadixCache` (``storage=``). What it adds
 - **Backups**: when a node's host copy lands (whatever the write policy: it decides when that
   happens), its pages are queued for the backend; the node stays locked until the agreed ack, so host
   eviction waits for it. Pages already stored are skipped; a failed backup is counted, never raised.
-- **Prefetches**: :meth:`prefetch_from_storage` after ``match_prefix`` keys the pages beyond the host
-  hit, asks the backend how many leading ones it has, agrees the number across TP ranks (MIN),
-  allocates host slots for that many only and hands them to the I/O thread;
-  :meth:`check_prefetch_progress` says when the request may be admitted (by the policy) and inserts
-  the pages that landed on every rank as a host-only node under the matched node, to be loaded to the
-  device as any host hit.
+- **Prefetches**: :meth:`prefetch_from_storage` after ``match_prefix`` hands the tokens beyond the
+  host hit to the query thread, which keys their pages and asks the backend how many leading ones it
+  holds; :meth:`check_prefetch_progress`, called by the scheduler until it admits the request, agrees
+  that number across TP ranks (MIN), allocates host slots for that many only, starts the I/O thread's
+  read, ends the prefetch by the policy, and inserts the pages that landed on every rank as a
+  host-only node under the matched node, to be loaded to the device as any host hit.
 - **TP**: every collective is issued on every rank the same number of times (the branches before them
   depend only on the tokens and the agreed values), including when a rank's backend fails or hangs.
 """
@@ -140,19 +140,21 @@ class StorageOps:
 
     # ------------------------------------------------------------------ prefetches
     def prefetch_from_storage(self: HiRadixCache, request_id: Any, last_host_node: Any, tokens: Any) -> bool:
-        """Start reading the stored pages of ``tokens`` beyond ``last_host_node`` into host slots.
+        """Ask for the stored pages of ``tokens`` beyond ``last_host_node``; call it when the request
+        arrives, then :meth:`check_prefetch_progress` until it admits the request.
 
         Parameters
         ----------
         request_id : any hashable; names the prefetch in :meth:`check_prefetch_progress`.
-        last_host_node : ``match_prefix(tokens).last_host_node``: the pages continue its prefix.
+        last_host_node : ``match_prefix(tokens).last_host_node``: the pages continue its prefix (it stays
+            locked until the prefetch ends).
         tokens : the request's token ids (a list or 1-D integer tensor), the matched prefix included.
 
-        Returns True when a prefetch started; False when there was nothing worth reading: fewer than
-        the policy's ``threshold_tokens`` beyond the match, fewer stored on some rank, or no host room
-        (all agreed across TP ranks). Raises ``RuntimeError`` without a storage tier or after
-        :meth:`close`, ``ValueError`` for a ``request_id`` already prefetching or a node no longer in
-        the tree; nothing changes then.
+        Returns True when a prefetch was requested: the query thread keys the pages and asks the
+        backend how many leading ones it holds, with no collective and no waiting here. False when
+        fewer than the policy's ``threshold_tokens`` lie beyond the match (the same on every rank).
+        Raises ``RuntimeError`` without a storage tier or after :meth:`close`, ``ValueError`` for a
+        ``request_id`` already prefetching or a node no longer in the tree; nothing changes then.
         """
         self._check_open("prefetch_from_storage")
         tier = self._storage
@@ -176,17 +178,64 @@ class StorageOps:
             return False
         try:
             prev = tier.root_digest if last_host_node is self.root else self._keys_of(last_host_node)[-1]
-            keys = page_keys(rest, ps, prev_digest=prev)
         except ValueError:
-            return False  # token ids no key can hold (the same on every rank)
-        hit = tier.stored_pages(keys)
+            return False  # the matched prefix holds token ids no key can hold (the same on every rank)
+        self.inc_lock_ref(last_host_node)
+        now = time.perf_counter()
+        p = Prefetch(request_id, last_host_node, rest, prev, now, policy.deadline(now, len(rest)))
+        self._prefetch_ops[request_id] = p
+        tier.start_query(p)
+        return True
+
+    def check_prefetch_progress(self: HiRadixCache, request_id: Any) -> bool:
+        """Whether the request may be admitted (agreed across TP ranks, one to three collectives a
+        call, the same on every rank). The first call that finds the query done on every rank agrees
+        the hit (MIN), allocates host slots for it (making room in the host pool if needed) and
+        starts the read; the prefetch then ends by the policy: ``best_effort`` at once (a query not
+        done yet ends it with nothing), ``wait_complete`` when every page is read or failed,
+        ``timeout`` also at its deadline. When it ends, the pages that landed on every rank are in the
+        tree as a host-only node under the matched node (match again, then ``load_back``).
+        ``ValueError`` for an unknown ``request_id``."""
+        self._check_open("check_prefetch_progress")
+        p = self._prefetch_ops.get(request_id)
+        if p is None:
+            raise ValueError(f"request_id: no prefetch in flight for {request_id!r}")
+        policy = self._storage.policy
+        agree = self.controller.agree_min
+        if p.state == "query":
+            if not agree(p.queried.is_set()):
+                if policy.name == "best_effort" or (
+                    policy.name == "timeout" and not agree(time.perf_counter() < p.deadline)
+                ):
+                    self._finish_prefetch(p, insert=False)
+                    return True
+                return False
+            if not self._start_read(p):
+                self._finish_prefetch(p, insert=False)
+                return True
+        if policy.name == "best_effort":
+            local = True
+        elif policy.name == "wait_complete":
+            local = p.complete
+        else:
+            local = p.complete or time.perf_counter() >= p.deadline
+        if not agree(local):
+            return False
+        self._finish_prefetch(p)
+        return True
+
+    def _start_read(self: HiRadixCache, p: Prefetch) -> bool:
+        """After the query: agree the hit, allocate host slots, start the read. False when there is
+        nothing worth reading or no host room (agreed)."""
+        ps = self.page_size
+        policy = self._storage.policy
+        hit = p.query_hit
         if policy.max_host_tokens is not None:
-            held = sum(len(p.host_slots) for p in self._prefetch_ops.values())
+            held = sum(len(q.host_slots) for q in self._prefetch_ops.values())
             hit = min(hit, max(0, policy.max_host_tokens - held) // ps)
         hit = self.controller.agree_min(hit)
         if hit * ps < max(policy.threshold_tokens, ps):
             return False
-        self.inc_lock_ref(last_host_node)  # before making room: the node must not be evicted for it
         slots = self.host_pool.alloc(hit * ps)
         if slots is None:
             self.evict_host(hit * ps - self.host_pool.available_size())
@@ -194,38 +243,17 @@ class StorageOps:
         if not self.controller.agree_min(slots is not None):
             if slots is not None:
                 self.host_pool.free(slots)
-            self.dec_lock_ref(last_host_node)
             return False
-        now = time.perf_counter()
-        p = Prefetch(request_id, last_host_node, rest[: hit * ps], keys[:hit], slots, now,
-                     policy.deadline(now, hit * ps))  # fmt: skip
-        self._prefetch_ops[request_id] = p
+        p.tokens, p.keys, p.host_slots, p.state = p.tokens[: hit * ps], p.keys[:hit], slots, "read"
         self.metrics.prefetches += 1
-        tier.start_prefetch(p)
-        return True
-
-    def check_prefetch_progress(self: HiRadixCache, request_id: Any) -> bool:
-        """Whether the request may be admitted: True once its prefetch is over by the policy (agreed
-        across TP ranks); the pages that landed on every rank are then in the tree as a host-only node
-        under the matched node (match again, then ``load_back``). ``ValueError`` for an unknown
-        ``request_id``."""
-        self._check_open("check_prefetch_progress")
-        p = self._prefetch_ops.get(request_id)
-        if p is None:
-            raise ValueError(f"request_id: no prefetch in flight for {request_id!r}")
-        policy = self._storage.policy
-        if policy.name == "best_effort":
-            local = True
-        elif policy.name == "wait_complete":
-            local = p.complete
-        else:
-            local = p.complete or time.perf_counter() >= p.deadline
-        if not self.controller.agree_min(local):
-            return False
-        self._finish_prefetch(p)
+        self._storage.start_prefetch(p)
         return True
 
     def _finish_prefetch(self: HiRadixCache, p: Prefetch, insert: bool = True) -> None:
+        if p.state == "query":  # no read was started: no slots, nothing landed
+            del self._prefetch_ops[p.request_id]
+            self.dec_lock_ref(p.node)
+            return
         p.cancel.set()
         p.finished.wait(IO_GRACE_S)  # the batch in flight completes; a hung backend is left behind
         landed = p.landed  # pages [0, landed) are complete and no longer touched by the I/O thread

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .base import StorageBackend
-from .keys import Namespace
+from .keys import Namespace, page_keys
 
 __all__ = ["PREFETCH_POLICIES", "Prefetch", "PrefetchPolicy", "StorageTier"]
 
@@ -70,19 +70,26 @@ class PrefetchPolicy:
 
 @dataclass
 class Prefetch:
-    """One prefetch in flight: ``keys`` read into ``host_slots`` (whole pages, in order) by the I/O
-    thread, batch by batch; ``landed`` counts the leading pages read so far (a failed page ends it)."""
+    """One prefetch: first a *query* (the query thread keys ``tokens``' pages and asks the backend how
+    many leading ones it holds: ``keys``, ``query_hit``, then ``queried`` is set), then, once the ranks
+    agreed on the hit and host slots were allocated, a *read*: ``keys`` into ``host_slots`` (whole
+    pages, in order) on the I/O thread, batch by batch; ``landed`` counts the leading pages read so far
+    (a failed page ends it)."""
 
     request_id: Any
     node: Any  # the host node the pages continue (locked while in flight)
     tokens: list[int]  # the tokens of the pages, page-aligned
-    keys: list[str]
-    host_slots: torch.Tensor
+    prev: str  # the digest the keys chain from (the node's last page, or the namespace)
     start: float
     deadline: float
+    state: str = "query"  # then "read"
+    keys: list[str] = field(default_factory=list)
+    query_hit: int = 0
+    host_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     landed: int = 0
     failed: bool = False
     read_s: float = 0.0  # the I/O thread's time on it
+    queried: threading.Event = field(default_factory=threading.Event)  # the query thread is done with it
     cancel: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)  # the I/O thread is done with it
 
@@ -127,6 +134,7 @@ class StorageTier:
         self._backups: queue.Queue = queue.Queue()
         self._backup_acks: queue.Queue = queue.Queue()
         self._prefetches: queue.Queue = queue.Queue()
+        self._queries: queue.Queue = queue.Queue()
         self._logged: set[str] = set()
         self._closed = False
         self.threaded = threaded
@@ -135,6 +143,7 @@ class StorageTier:
             self._threads = [
                 threading.Thread(target=self._backup_loop, name="hicache-storage-backup", daemon=True),
                 threading.Thread(target=self._prefetch_loop, name="hicache-storage-prefetch", daemon=True),
+                threading.Thread(target=self._query_loop, name="hicache-storage-query", daemon=True),
             ]
         for t in self._threads:
             t.start()
@@ -200,6 +209,29 @@ class StorageTier:
             self._fault("exists", exc)
             return 0
 
+    def start_query(self, p: Prefetch) -> None:
+        """Key ``p.tokens``' pages and count the leading ones stored (on the query thread)."""
+        if self.threaded:
+            self._queries.put(p)
+        else:
+            self._query_one(p)
+
+    def _query_loop(self) -> None:
+        while True:
+            p = self._queries.get()
+            if p is None:
+                return
+            self._query_one(p)
+
+    def _query_one(self, p: Prefetch) -> None:
+        try:
+            keys = page_keys(p.tokens, self.page_size, prev_digest=p.prev)
+        except ValueError:  # token ids a key cannot hold: nothing of this is stored
+            keys = []
+        p.keys = keys
+        p.query_hit = self.stored_pages(keys) if keys else 0
+        p.queried.set()
+
     def start_prefetch(self, p: Prefetch) -> None:
         if self.threaded:
             self._prefetches.put(p)
@@ -247,6 +279,7 @@ class StorageTier:
         if self.threaded:
             self._backups.put(None)
             self._prefetches.put(None)
+            self._queries.put(None)
         for t in self._threads:
             t.join(timeout)
         self.backend.close()
