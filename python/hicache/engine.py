@@ -1,0 +1,265 @@
+"""A small decoder-only transformer served over the cache: what the hierarchy buys, end to end.
+
+:class:`TinyLM` is a plain-torch model with seeded random weights (no downloads): ``num_layers``
+layers of grouped-query attention (``num_heads`` query heads sharing ``num_kv_heads`` K/V heads of
+``head_dim``) and a GELU MLP, pre-RMS-norm, fixed sinusoidal positions. Its attention keeps no K/V of
+its own: each layer writes the new tokens' K and V into the :class:`~hicache.pools.DeviceKVPool` at
+the request's slots and reads every earlier token's K and V back from there (paged: the pool is the
+only KV storage).
+
+:class:`Engine` serves requests one after another over a :class:`~hicache.radix_cache.HiRadixCache`
+(or, without one, recomputes everything): ``match_prefix`` finds the device and host hits; a host hit
+is loaded back layer by layer while the forward pass runs (layer ``k`` waits only for layer ``k``'s
+load, through the controller's layer counter); the rest of the prompt is prefilled, tokens are
+decoded greedily, and the sequence is inserted into the tree; the device pool evicts to the host
+under pressure with the cache's write policy. With a storage tier, pages beyond the host hit are
+prefetched from the store first (the request waits for the prefetch policy to admit it).
+
+Every computation is laid out so that a token's logits do not depend on how the work was split
+(projections are per-row reductions of fixed length, each query attends over exactly its own
+prefix): on CPU float32 the logits of a request served from the cache equal those of a full
+recompute bit for bit, which is what proves that the loaded KV is the right KV in the right place.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .pools import DeviceKVPool
+from .radix_cache import HiRadixCache
+
+__all__ = ["Engine", "GenerationResult", "ModelConfig", "TinyLM"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Geometry of :class:`TinyLM` (its weights come from ``seed``)."""
+
+    num_layers: int = 4
+    hidden: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    vocab: int = 512
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: expected a divisor of num_heads ({self.num_heads}), got {self.num_kv_heads}"
+            )
+
+    def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
+        """A device KV pool shaped for this model."""
+        return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=self.num_kv_heads,
+                            head_dim=self.head_dim, dtype=self.dtype, device=device, page_size=page_size)  # fmt: skip
+
+
+def _rowmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` as one fixed-length reduction per output element: a row's result does not depend on
+    how many rows are computed with it (a GEMM may pick another kernel, and another summation order,
+    for another batch size)."""
+    return (x.unsqueeze(-1) * w).sum(dim=-2)
+
+
+def _rmsnorm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+
+
+class TinyLM:
+    """The model (module docstring). ``forward`` runs new tokens of one sequence."""
+
+    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu") -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        g = torch.Generator().manual_seed(cfg.seed)
+        h, q, kv, f = cfg.hidden, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn
+
+        def w(*shape: int) -> torch.Tensor:
+            t = torch.randn(*shape, generator=g) / math.sqrt(shape[-2] if len(shape) > 1 else 1)
+            return t.to(device=self.device, dtype=cfg.dtype)
+
+        self.embed = w(cfg.vocab, h) * math.sqrt(h)
+        self.layers = [
+            {"wq": w(h, q), "wk": w(h, kv), "wv": w(h, kv), "wo": w(q, h), "w1": w(h, f), "w2": w(f, h)}
+            for _ in range(cfg.num_layers)
+        ]
+        self.head = w(h, cfg.vocab)
+        inv = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
+        self._inv_freq = inv
+
+    def positions(self, start: int, n: int) -> torch.Tensor:
+        pos = torch.arange(start, start + n, dtype=torch.float64)[:, None] * self._inv_freq[None]
+        return torch.cat([pos.sin(), pos.cos()], dim=-1).to(device=self.device, dtype=self.cfg.dtype)
+
+    def forward(
+        self,
+        pool: DeviceKVPool,
+        tokens: list[int],
+        start: int,
+        slots: torch.Tensor,
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[len(tokens), vocab]`` of ``tokens`` at positions ``start, start + 1, ...``.
+
+        ``slots`` are the device slots of positions ``0 .. start + len(tokens) - 1`` (the prefix's KV is
+        already there, or arriving: ``wait_layer(k)`` is called before layer ``k`` reads it).
+        """
+        cfg = self.cfg
+        n = len(tokens)
+        d = cfg.head_dim
+        group = cfg.num_heads // cfg.num_kv_heads
+        slots = slots.to(self.device)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        x = self.embed[ids] + self.positions(start, n)
+        scale = 1.0 / math.sqrt(d)
+        for li, layer in enumerate(self.layers):
+            a = _rmsnorm(x)
+            q = _rowmm(a, layer["wq"]).view(n, cfg.num_heads, d)
+            k = _rowmm(a, layer["wk"]).view(n, cfg.num_kv_heads, d)
+            v = _rowmm(a, layer["wv"]).view(n, cfg.num_kv_heads, d)
+            if wait_layer is not None:
+                wait_layer(li)  # the prefix's K/V of this layer has landed in the pool
+            pk, pv = pool.k[li], pool.v[li]
+            pk[slots[start : start + n]] = k
+            pv[slots[start : start + n]] = v
+            keys = pk[slots[: start + n]].repeat_interleave(group, dim=1)  # [S, Hq, d]
+            vals = pv[slots[: start + n]].repeat_interleave(group, dim=1)
+            out = torch.empty(n, cfg.num_heads, d, dtype=cfg.dtype, device=self.device)
+            for i in range(n):  # each query over exactly its own prefix: shapes independent of the batch
+                s = start + i + 1
+                scores = (q[i][None] * keys[:s]).sum(-1) * scale  # [s, Hq]
+                p = torch.softmax(scores, dim=0)
+                out[i] = (p[..., None] * vals[:s]).sum(0)
+            x = x + _rowmm(out.reshape(n, -1), layer["wo"])
+            x = x + _rowmm(torch.nn.functional.gelu(_rowmm(_rmsnorm(x), layer["w1"])), layer["w2"])
+        return _rowmm(_rmsnorm(x), self.head)
+
+
+@dataclass
+class GenerationResult:
+    """One request served: the generated tokens, their logits, and where its prefix came from."""
+
+    tokens: list[int]
+    logits: torch.Tensor  # [len(tokens), vocab]: row i produced tokens[i]
+    ttft_s: float  # arrival (the call) to the first token
+    total_s: float
+    device_hit: int = 0  # prompt tokens found on the device
+    host_hit: int = 0  # prompt tokens loaded back from the host
+    computed: int = 0  # prompt tokens prefilled
+    load_wait_s: float = 0.0  # time the forward waited for layer loads
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Serves requests with :class:`TinyLM` over ``cache`` (None: recompute every prompt).
+
+    Parameters
+    ----------
+    model : the :class:`TinyLM`.
+    pool : its :class:`~hicache.pools.DeviceKVPool` (the cache's, when there is one).
+    cache : the :class:`~hicache.radix_cache.HiRadixCache`, or None.
+    """
+
+    def __init__(self, model: TinyLM, pool: DeviceKVPool, cache: HiRadixCache | None = None) -> None:
+        if cache is not None and cache.device_pool is not pool:
+            raise ValueError("cache: its device pool is not the engine's pool")
+        if pool.mla or pool.head_num != model.cfg.num_kv_heads or pool.head_dim != model.cfg.head_dim:
+            raise ValueError("pool: not shaped for this model (see ModelConfig.pool)")
+        self.model = model
+        self.pool = pool
+        self.cache = cache
+        self._requests = 0
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        slots = self.pool.alloc(n)
+        if slots is None and self.cache is not None:
+            self.cache.evict(n - self.pool.available_size())
+            slots = self.pool.alloc(n)
+        if slots is None:
+            raise MemoryError(f"device pool: {n} slots needed, {self.pool.available_size()} free after eviction")
+        return slots
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> GenerationResult:
+        """Serve one request: greedy decoding of ``max_new_tokens`` tokens after ``prompt``."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        if not prompt:
+            raise ValueError("prompt: expected at least one token")
+        t0 = time.perf_counter()
+        ps = self.pool.page_size
+        cache = self.cache
+        prefix = torch.empty(0, dtype=torch.int64)
+        locked = []
+        wait = None
+        waited = [0.0]
+        device_hit = host_hit = 0
+        if cache is not None:
+            # Match at most the prompt minus one token: the last one is always computed (its logits
+            # give the first new token).
+            m = cache.match_prefix(prompt[:-1])
+            self._requests += 1
+            if cache.storage is not None and cache.prefetch_from_storage(self._requests, m.last_host_node, prompt[:-1]):
+                while not cache.check_prefetch_progress(self._requests):  # admitted by the policy
+                    time.sleep(0.0002)
+                m = cache.match_prefix(prompt[:-1])  # what the store brought is now a host hit
+            prefix, device_hit = m.device_indices, len(m.device_indices)
+            cache.inc_lock_ref(m.last_device_node)
+            locked.append(m.last_device_node)
+            if m.host_hit_length:
+                cache.inc_lock_ref(m.last_host_node)
+                locked.append(m.last_host_node)
+                loaded = cache.load_back(m.last_host_node)
+                if loaded is not None:
+                    generation = cache.start_loading()
+                    prefix = torch.cat([prefix, loaded])
+                    host_hit = len(loaded)
+                    counter = cache.controller.layer_counter
+
+                    def wait(layer: int) -> None:
+                        w0 = time.perf_counter()
+                        counter.wait_until(layer, generation=generation)
+                        waited[0] += time.perf_counter() - w0
+
+        start = len(prefix)
+        fed = len(prompt) + max_new_tokens - 1  # the last new token is never fed back
+        need = -(-fed // ps) * ps - start
+        slots = torch.cat([prefix, self._alloc(need)])
+        logits = self.model.forward(self.pool, prompt[start:], start, slots, wait)[-1:]
+        out = [int(logits[-1].argmax())]
+        ttft = time.perf_counter() - t0
+        rows = [logits[-1]]
+        pos = len(prompt)
+        for _ in range(max_new_tokens - 1):
+            step = self.model.forward(self.pool, out[-1:], pos, slots)[-1]
+            rows.append(step)
+            out.append(int(step.argmax()))
+            pos += 1
+        if cache is None:
+            self.pool.free(slots)
+        else:
+            seq = (prompt + out)[:fed]
+            key_len = fed - fed % ps
+            dup = cache.insert(seq[:key_len], slots[:key_len])
+            if dup > start:  # another request cached part of ours meanwhile: our copies go
+                self.pool.free(slots[start:dup])
+            if key_len < len(slots):
+                self.pool.free(slots[key_len:])
+            for node in locked:
+                cache.dec_lock_ref(node)
+            cache.check_loads()
+            cache.check_writes()
+        return GenerationResult(
+            tokens=out, logits=torch.stack(rows), ttft_s=ttft, total_s=time.perf_counter() - t0,
+            device_hit=device_hit, host_hit=host_hit, computed=len(prompt) - start, load_wait_s=waited[0],
+        )  # fmt: skip
