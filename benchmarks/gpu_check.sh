@@ -8,14 +8,16 @@
 #              engines, direct, batch at page 16, SM budgets 1-8: bench_designs.json), if time is left
 #   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> compute-sanitizer
 #           memcheck on the smoke set -> pcie --quick -> bench --quick (interference, overlap, auto)
+#           -> the serving benchmark on the GPU (hicache.bench_serving: TTFT per mode, 8B-like layers)
 #
 #   bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--budget SECONDS] OUT_DIR
 #
 # Every step has its own time limit, clipped to what is left of --budget (default 480 s of wall time
 # for the whole script); a step that would start with less than 20 s left is not started. Results go
 # to OUT_DIR as they are made, and summary.txt is rewritten after every step, so a run cut short still
-# leaves what finished. Files (at most 8): gpu_check.log (every step's output), summary.txt, info.json,
-# bench_core.json, host_overhead.json, bench_designs.json, bench_quick.json, pcie.json. The summary ends with the targets
+# leaves what finished. Files: gpu_check.log (every step's output), summary.txt; stage 1: info.json,
+# bench_core.json, host_overhead.json, bench_designs.json; stage 2: bench_quick.json, pcie.json,
+# serving.json. The device tool brings back 8 files a call: run the stages in separate calls. The summary ends with the targets
 # read from each bench JSON (host overhead: targets 7-11, shown, not a failed step).
 #
 # --dry-run: on a CPU machine, run every step's command with CPU stand-ins (sm_90 assumed; pytest steps
@@ -137,6 +139,14 @@ if [ "$STAGE" != 1 ]; then
   fi
   step pcie-quick 120 $PY -m hicache_kernels.pcie --quick --json "$OUT/pcie.json"
   step bench-quick 240 $PY -m hicache_kernels.bench --quick --refcheck --json "$OUT/bench_quick.json"
+  if [ $DRY = 1 ]; then  # the CPU stand-in: the same CLI, small and exact
+    SERVE=(--quick)
+  else  # 8B-like layers (4 of them), bf16, the kernel io-backend; working set 4x the device pool
+    SERVE=(--device cuda --fast --dtype bfloat16 --layers 4 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128
+      --vocab 32000 --page-size 16 --layout page_first_direct --io-backend kernel --clients 16 --rounds 4
+      --system-len 1024 --turn-len 256 --output-len 16 --modes recompute device hierarchical)
+  fi
+  step bench-serving 180 $PY -m hicache.bench_serving "${SERVE[@]}" --json "$OUT/serving.json"
 fi
 write_summary
 {

@@ -148,3 +148,15 @@ def test_recompute_engine_and_refusals():
     other = CFG.pool(64, PAGE)
     with make_cache(other) as cache, pytest.raises(ValueError, match="cache: its device pool"):
         Engine(model, pool, cache)
+
+
+def test_fast_path_agrees_with_the_exact_one():
+    """``exact=False`` (matmuls, fused attention; for benchmarks) computes the same model: close to the
+    exact path, the same greedy tokens here."""
+    import dataclasses
+
+    exact, fast = TinyLM(CFG), TinyLM(dataclasses.replace(CFG, exact=False))
+    a = Engine(exact, CFG.pool(128, PAGE)).generate(list(range(10, 40)), 6)
+    b = Engine(fast, CFG.pool(128, PAGE)).generate(list(range(10, 40)), 6)
+    assert a.tokens == b.tokens
+    assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)

@@ -49,6 +49,10 @@ class ModelConfig:
     vocab: int = 512
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    # True: every token's computation independent of how the work is split (bit-identical logits on CPU
+    # float32 whether a prefix came from the cache or was recomputed; slow). False: matmuls and fused
+    # attention (for benchmarks at real sizes, on a GPU).
+    exact: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab"):
@@ -123,11 +127,12 @@ class TinyLM:
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         x = self.embed[ids] + self.positions(start, n)
         scale = 1.0 / math.sqrt(d)
+        mm = _rowmm if cfg.exact else torch.matmul
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
-            q = _rowmm(a, layer["wq"]).view(n, cfg.num_heads, d)
-            k = _rowmm(a, layer["wk"]).view(n, cfg.num_kv_heads, d)
-            v = _rowmm(a, layer["wv"]).view(n, cfg.num_kv_heads, d)
+            q = mm(a, layer["wq"]).view(n, cfg.num_heads, d)
+            k = mm(a, layer["wk"]).view(n, cfg.num_kv_heads, d)
+            v = mm(a, layer["wv"]).view(n, cfg.num_kv_heads, d)
             if wait_layer is not None:
                 wait_layer(li)  # the prefix's K/V of this layer has landed in the pool
             pk, pv = pool.k[li], pool.v[li]
@@ -135,15 +140,24 @@ class TinyLM:
             pv[slots[start : start + n]] = v
             keys = pk[slots[: start + n]].repeat_interleave(group, dim=1)  # [S, Hq, d]
             vals = pv[slots[: start + n]].repeat_interleave(group, dim=1)
-            out = torch.empty(n, cfg.num_heads, d, dtype=cfg.dtype, device=self.device)
-            for i in range(n):  # each query over exactly its own prefix: shapes independent of the batch
-                s = start + i + 1
-                scores = (q[i][None] * keys[:s]).sum(-1) * scale  # [s, Hq]
-                p = torch.softmax(scores, dim=0)
-                out[i] = (p[..., None] * vals[:s]).sum(0)
-            x = x + _rowmm(out.reshape(n, -1), layer["wo"])
-            x = x + _rowmm(torch.nn.functional.gelu(_rowmm(_rmsnorm(x), layer["w1"])), layer["w2"])
-        return _rowmm(_rmsnorm(x), self.head)
+            if cfg.exact:
+                out = torch.empty(n, cfg.num_heads, d, dtype=cfg.dtype, device=self.device)
+                for i in range(n):  # each query over exactly its own prefix: shapes independent of the batch
+                    s = start + i + 1
+                    scores = (q[i][None] * keys[:s]).sum(-1) * scale  # [s, Hq]
+                    p = torch.softmax(scores, dim=0)
+                    out[i] = (p[..., None] * vals[:s]).sum(0)
+            else:
+                causal = (
+                    torch.arange(start + n, device=self.device)[None]
+                    <= (torch.arange(start, start + n, device=self.device)[:, None])
+                )
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=causal
+                ).transpose(0, 1)
+            x = x + mm(out.reshape(n, -1), layer["wo"])
+            x = x + mm(torch.nn.functional.gelu(mm(_rmsnorm(x), layer["w1"])), layer["w2"])
+        return mm(_rmsnorm(x), self.head)
 
 
 @dataclass
@@ -186,6 +200,10 @@ class Engine:
         if slots is None and self.cache is not None:
             self.cache.evict(n - self.pool.available_size())
             slots = self.pool.alloc(n)
+            if slots is None:  # nodes still locked by their backups in flight: let those land, evict again
+                self.cache.flush()
+                self.cache.evict(n - self.pool.available_size())
+                slots = self.pool.alloc(n)
         if slots is None:
             raise MemoryError(f"device pool: {n} slots needed, {self.pool.available_size()} free after eviction")
         return slots

@@ -1,0 +1,311 @@
+"""Serving benchmark: the same request stream through recompute, a device-only radix cache, the
+hierarchical cache (device + host) and the hierarchical cache with a storage tier, on :mod:`hicache.engine`.
+
+Workloads: ``multiturn`` (clients with a shared system prompt, several rounds each; a round's prompt is
+the whole history plus a new question) and ``longqa`` (one long document, many questions). Requests
+arrive as a Poisson process at ``--rate`` per second (0: all at once) and are served one at a time,
+in arrival order; a request's time to first token (TTFT) counts from its arrival, so waiting behind
+slower requests counts too (the service times are measured, the queue is simulated).
+
+Modes: ``recompute`` (no cache), ``device`` (radix cache on the device pool only: nothing is ever
+backed up, eviction deletes), ``hierarchical`` (write-through to the host pool, host hits loaded back
+layer by layer), ``storage`` (hierarchical, plus a file-backed storage tier below a host pool of
+``--storage-host-ratio`` device pools, smaller than the working set: host evictions stay in the store
+and come back by prefetch). The device pool holds
+``--device-fraction`` of the working set (default a quarter).
+
+Reports per mode: TTFT p50/p90/p99 (and p50 per round), throughput (generated tokens per second of
+the whole run), prompt tokens per tier (device hit, host hit, from storage, computed), tokens loaded
+back and their GB/s, time the forward waited for layer loads. ``--json``, ``--plot PATH.png``.
+
+Run ``python -m hicache.bench_serving --quick`` (under two minutes on 2 CPU cores); ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .engine import Engine, ModelConfig, TinyLM
+from .pools import HostKVPool
+from .radix_cache import HiRadixCache
+from .storage import FileBackend
+from .storage.tier import PrefetchPolicy
+
+MODES = ("recompute", "device", "hierarchical", "storage")
+
+
+@dataclasses.dataclass
+class Request:
+    arrival: float
+    round: int
+    client: int
+    prompt: list[int] | None  # None: built when served (multi-turn prompts include earlier answers)
+    new_tokens: int
+
+
+def multiturn(args: argparse.Namespace, r: random.Random) -> tuple[list[Request], Any]:
+    """Requests and a ``prompt_of(request, answers)`` that builds a round's prompt from the history."""
+    system = [r.randrange(args.vocab) for _ in range(args.system_len)]
+    questions = {(c, k): [r.randrange(args.vocab) for _ in range(args.turn_len)]
+                 for c in range(args.clients) for k in range(args.rounds)}  # fmt: skip
+    reqs, t = [], 0.0
+    for k in range(args.rounds):
+        order = list(range(args.clients))
+        r.shuffle(order)
+        for c in order:
+            t += r.expovariate(args.rate) if args.rate > 0 else 0.0
+            reqs.append(Request(t, k, c, None, args.output_len))
+
+    def prompt_of(req: Request, answers: dict) -> list[int]:
+        out = list(system)
+        for k in range(req.round + 1):
+            out += questions[(req.client, k)]
+            if k < req.round:
+                out += answers[(req.client, k)]
+        return out
+
+    return reqs, prompt_of
+
+
+def longqa(args: argparse.Namespace, r: random.Random) -> tuple[list[Request], Any]:
+    doc = [r.randrange(args.vocab) for _ in range(args.doc_len)]
+    reqs, t = [], 0.0
+    for i in range(args.questions):
+        t += r.expovariate(args.rate) if args.rate > 0 else 0.0
+        reqs.append(Request(t, 0, i, doc + [r.randrange(args.vocab) for _ in range(args.turn_len)], args.output_len))
+    return reqs, lambda req, answers: req.prompt
+
+
+def working_set(reqs: list[Request], prompt_of, output_len: int) -> int:
+    """Tokens of KV the whole stream would keep: every distinct prefix's pages, approximately the
+    longest prompt of each client plus its answers (the system prompt or document once)."""
+    answers = {(q.client, q.round): [0] * output_len for q in reqs}
+    longest: dict[int, int] = {}
+    for q in reqs:
+        longest[q.client] = max(longest.get(q.client, 0), len(prompt_of(q, answers)) + output_len)
+    return sum(longest.values())
+
+
+def pctl(xs: list[float], p: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, reqs: list[Request], prompt_of, slots: int,
+             store: Path) -> dict[str, Any]:  # fmt: skip
+    cfg = model.cfg
+    pool = cfg.pool(slots, args.page_size, args.device)
+    cache = None
+    if mode != "recompute":
+        # The storage mode's host pool is smaller than the working set: host evictions happen, and what
+        # they drop comes back from the store.
+        host_ratio = args.storage_host_ratio if mode == "storage" else args.host_ratio
+        host = HostKVPool(pool, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5)
+        kw: dict[str, Any] = dict(io_backend=args.io_backend, load_back_threshold=args.page_size)
+        if mode == "device":  # never backed up: eviction deletes (selective backup that never triggers)
+            kw.update(write_policy="write_through_selective", write_through_threshold=2**62)
+        else:
+            kw.update(write_policy="write_through")
+        if mode == "storage":
+            kw.update(storage=FileBackend(store), model_id="bench-serving",
+                      prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=args.page_size))  # fmt: skip
+        cache = HiRadixCache(pool, host, **kw)
+    engine = Engine(model, pool, cache)
+    answers: dict = {}
+    rows = []
+    clock = 0.0  # the simulated server: busy until clock
+    t_start = time.perf_counter()
+    try:
+        for i, q in enumerate(reqs):
+            prompt = prompt_of(q, answers)
+            begin = max(clock, q.arrival)
+            res = engine.generate(prompt, q.new_tokens)
+            clock = begin + res.total_s
+            answers[(q.client, q.round)] = res.tokens
+            rows.append({"round": q.round, "prompt": len(prompt), "ttft_s": begin - q.arrival + res.ttft_s,
+                         "service_s": res.total_s, "device_hit": res.device_hit, "host_hit": res.host_hit,
+                         "computed": res.computed, "load_wait_s": res.load_wait_s})  # fmt: skip
+            if args.progress:
+                print(f"\r{mode:>12}: {i + 1}/{len(reqs)}", end="", file=sys.stderr, flush=True)
+        if cache is not None:
+            cache.flush()
+            cache.verify()
+    finally:
+        if cache is not None:
+            cache.close()
+    if args.progress:
+        print(file=sys.stderr)
+    wall = time.perf_counter() - t_start
+    ttft = [r["ttft_s"] for r in rows]
+    prompt_tokens = sum(r["prompt"] for r in rows)
+    m = cache.metrics if cache is not None else None
+    storage_tokens = m.storage_hit_tokens if m is not None else 0
+    by_round = {}
+    for k in sorted({r["round"] for r in rows}):
+        by_round[k] = statistics.median(r["ttft_s"] for r in rows if r["round"] == k)
+    return {
+        "mode": mode,
+        "requests": len(rows),
+        "ttft_p50_s": pctl(ttft, 50),
+        "ttft_p90_s": pctl(ttft, 90),
+        "ttft_p99_s": pctl(ttft, 99),
+        "ttft_p50_by_round_s": by_round,
+        "throughput_tokens_per_s": sum(q.new_tokens for q in reqs) / max(clock, 1e-9),
+        "wall_s": wall,
+        "prompt_tokens": prompt_tokens,
+        "device_hit_tokens": sum(r["device_hit"] for r in rows),
+        "host_hit_tokens": sum(r["host_hit"] for r in rows),
+        "storage_hit_tokens": storage_tokens,  # part of host_hit: brought from the store first
+        "computed_tokens": sum(r["computed"] for r in rows),
+        "device_hit_rate": sum(r["device_hit"] for r in rows) / prompt_tokens,
+        "host_hit_rate": sum(r["host_hit"] for r in rows) / prompt_tokens,
+        "storage_hit_rate": storage_tokens / prompt_tokens,
+        "tokens_loaded": m.tokens_loaded if m is not None else 0,
+        "load_gbps": m.load_gbps if m is not None else 0.0,
+        "load_wait_s": sum(r["load_wait_s"] for r in rows),
+        "rows": rows,
+    }
+
+
+def plot(path: str, results: list[dict]) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        rounds = sorted(r["ttft_p50_by_round_s"], key=int)
+        a.plot([int(k) for k in rounds], [1e3 * r["ttft_p50_by_round_s"][k] for k in rounds], marker="o",
+               label=r["mode"])  # fmt: skip
+    a.set_xlabel("round")
+    a.set_ylabel("TTFT p50 (ms)")
+    a.legend()
+    names = [r["mode"] for r in results]
+    dev = [r["device_hit_rate"] for r in results]
+    host = [r["host_hit_rate"] - r["storage_hit_rate"] for r in results]
+    sto = [r["storage_hit_rate"] for r in results]
+    b.bar(names, dev, label="device")
+    b.bar(names, host, bottom=dev, label="host")
+    b.bar(names, sto, bottom=[x + y for x, y in zip(dev, host, strict=True)], label="storage")
+    b.set_ylabel("prompt tokens hit")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hicache.bench_serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=["multiturn", "longqa"], default="multiturn")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--system-len", type=int, default=64)
+    p.add_argument("--turn-len", type=int, default=24)
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--doc-len", type=int, default=512, help="longqa: the document's tokens")
+    p.add_argument("--questions", type=int, default=16, help="longqa: questions over the document")
+    p.add_argument("--rate", type=float, default=0.0, help="requests per second, Poisson (0: all at once)")
+    p.add_argument("--device-fraction", type=float, default=0.25, help="device pool / working set")
+    p.add_argument("--host-ratio", type=float, default=4.0, help="host pool / device pool")
+    p.add_argument("--storage-host-ratio", type=float, default=2.0, help="host pool / device pool, storage mode")
+    p.add_argument("--page-size", type=int, default=4)
+    p.add_argument("--layout", default="page_first")
+    p.add_argument("--io-backend", default="direct")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--fast", action="store_true", help="matmuls and fused attention (not bit-exact; for GPUs)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the pools, the model and the copies on the GPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads for the model (default 1: the cache's copy threads then do not "
+                        "fight the model for a small machine's cores)")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="a small run (under two minutes on 2 CPU cores)")
+    p.add_argument("--progress", action="store_true", help="a progress line per mode on stderr")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH.png")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.clients, a.rounds, a.system_len, a.turn_len, a.output_len = 6, 4, 32, 12, 4
+        a.doc_len, a.questions = min(a.doc_len, 192), min(a.questions, 8)
+        a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim = 2, 32, 4, 2, 8
+    for name in ("clients", "rounds", "output_len", "page_size", "questions"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected >= 1")
+    if not 0 < a.device_fraction <= 1:
+        p.error("--device-fraction: expected in (0, 1]")
+    if a.threads < 1:
+        p.error("--threads: expected >= 1")
+    if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"bench_serving: --device {a.device}: no CUDA device is visible here (torch {torch.__version__}); "
+              "nothing measured", file=sys.stderr)  # fmt: skip
+        return 2
+    torch.set_num_threads(a.threads)
+    r = random.Random(a.seed)
+    reqs, prompt_of = (multiturn if a.workload == "multiturn" else longqa)(a, r)
+    cfg = ModelConfig(num_layers=a.layers, hidden=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads,
+                      head_dim=a.head_dim, ffn=2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
+                      dtype=getattr(torch, a.dtype))  # fmt: skip
+    model = TinyLM(cfg, a.device)
+    if a.workload == "longqa":  # the document once, then each question and its answer
+        ws = a.doc_len + a.questions * (a.turn_len + a.output_len)
+    else:
+        ws = working_set(reqs, prompt_of, a.output_len)
+    longest = max(len(prompt_of(q, {(c, k): [0] * a.output_len for c in range(a.clients) for k in range(a.rounds)}))
+                  for q in reqs) + a.output_len  # fmt: skip
+    ps = a.page_size
+    slots = max(int(ws * a.device_fraction), 2 * longest)  # room for the largest request and its prefix
+    slots = -(-slots // ps) * ps
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in a.modes:
+            results.append(run_mode(mode, a, model, reqs, prompt_of, slots, Path(tmp) / "store"))
+    print(f"{a.workload}: {len(reqs)} requests, working set ~{ws} tokens, device pool {slots} slots "
+          f"({slots / ws:.2f} of it), page {ps}, {cfg.num_layers} layers")  # fmt: skip
+    for x in results:
+        print(f"{x['mode']:>12}: TTFT p50 {1e3 * x['ttft_p50_s']:8.2f} ms  p90 {1e3 * x['ttft_p90_s']:8.2f}  "
+              f"p99 {1e3 * x['ttft_p99_s']:8.2f}  | {x['throughput_tokens_per_s']:7.1f} tok/s  | hit: device "
+              f"{x['device_hit_rate']:.2f} host {x['host_hit_rate']:.2f} (storage {x['storage_hit_rate']:.2f})  "
+              f"loaded {x['tokens_loaded']} tokens, waited {1e3 * x['load_wait_s']:.1f} ms")  # fmt: skip
+    out = {
+        "bench": "hicache.bench_serving",
+        "workload": a.workload,
+        "args": {k: v for k, v in vars(a).items() if k not in ("json", "plot")},
+        "working_set_tokens": ws,
+        "device_slots": slots,
+        "model": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in dataclasses.asdict(cfg).items()},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": results,
+    }
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {a.json}")
+    if a.plot:
+        plot(a.plot, results)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
