@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from typing import Any
 
 import torch
@@ -182,6 +183,9 @@ def _import_triton() -> Any:
         ) from exc
     tl = language
     return triton
+
+
+_INTERPRETER_LOCK = threading.Lock()  # one interpreted launch at a time (see the CPU branch of transfer)
 
 
 @functools.lru_cache(maxsize=2)
@@ -419,7 +423,10 @@ def run_triton(plan: TransferPlan) -> None:
     if not on_cuda:
         src_arg = _cpu_arg(route, route.src, plan.src_tensors, "plan.src")
         dst_arg = _cpu_arg(route, route.dst, plan.dst_tensors, "plan.dst")
-        launch(_shape(route, route.alignment()), None, src_arg, dst_arg, src_idx, dst_idx)
+        # Triton's interpreter keeps the running grid in process-wide state: two threads interpreting
+        # at once (e.g. a cache controller's write and load workers) corrupt each other's program ids.
+        with _INTERPRETER_LOCK:
+            launch(_shape(route, route.alignment()), None, src_arg, dst_arg, src_idx, dst_idx)
         return
 
     device = route.device

@@ -1,6 +1,6 @@
 """The model served over the cache: every request's tokens and logits equal a full recompute's, bit for
 bit on CPU float32, whatever tier its prefix came from (device, host loaded layer by layer, storage),
-for every host layout and the io-backends usable on CPU."""
+for every host layout and the io-backends usable on CPU (Triton under its interpreter)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def serve_and_compare(engine: Engine, model: TinyLM, new_tokens: int = 5, **conv
     return stats
 
 
-@pytest.mark.parametrize("io_backend", ["direct", "staged"])
+@pytest.mark.parametrize("io_backend", ["direct", "staged", "triton"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
 def test_served_equals_recompute_every_layout(layout, io_backend):
     model = TinyLM(CFG)
