@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from storagedata import PAGE, host_pool, page_bytes
 
 from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.storage import FileBackend, Namespace, StorageBackend, create_backend, load_config, page_keys, page_views
@@ -20,36 +21,6 @@ from hicache_kernels import layouts
 from kvdata import random_bytes_, same_bytes
 
 CASES = [(lay, False) for lay in layouts.LAYOUTS] + [(lay, True) for lay in layouts.MLA_LAYOUTS]
-PAGE = 4
-
-
-def host_pool(layout: str = "page_first", mla: bool = False, seed: int = 0, head_dim: int = 8) -> HostKVPool:
-    dev = DeviceKVPool(
-        num_slots=32, num_layers=3, head_num=1 if mla else 2, head_dim=head_dim, dtype=torch.bfloat16, device="cpu",
-        page_size=PAGE, mla=mla,
-    )  # fmt: skip
-    host = HostKVPool(dev, layout=layout, ratio=4.0)
-    random_bytes_(host.buffer, torch.Generator().manual_seed(seed))
-    return host
-
-
-def page_bytes(host: HostKVPool, slots: torch.Tensor) -> list[bytes]:
-    """Each page's bytes gathered through the layout (reference indexing, not page_ranges)."""
-    out = []
-    for p in range(0, len(slots), PAGE):
-        s = slots[p : p + PAGE]
-        b = host.buffer
-        parts = []
-        for kv in range(1 if host.mla else 2):
-            t = b if host.mla else b[kv]
-            if host.layout == "layer_first":
-                parts += [t[layer, s].contiguous() for layer in range(host.num_layers)]
-            elif host.layout == "page_first":
-                parts.append(t[s].contiguous())
-            else:  # page_first_direct and page_head: one page index
-                parts.append(t[int(s[0]) // PAGE].contiguous())
-        out.append(b"".join(x.view(torch.uint8).numpy().tobytes() for x in parts))
-    return out
 
 
 def keys_for(n: int, salt: str = "") -> list[str]:

@@ -25,15 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from storagedata import PAGE, host_pool, page_bytes
 
-from hicache.pools import DeviceKVPool, HostKVPool
 from hicache.storage import Namespace, create_backend, page_keys
 from hicache_kernels import layouts
 
-from kvdata import random_bytes_
-
 CASES = [(lay, False) for lay in layouts.LAYOUTS] + [(lay, True) for lay in layouts.MLA_LAYOUTS]
-PAGE = 4
 TIMEOUT_S = 1.0  # the backend's per-call bound in the fault tests
 SLACK_S = 1.5  # what a bounded call may take beyond it on a slow machine
 LOGGER = "hicache.storage.mooncake"
@@ -162,34 +159,6 @@ def backend(master):
 
 
 # -- pools and reference bytes --------------------------------------------------------------------------
-def host_pool(layout: str = "page_first", mla: bool = False, seed: int = 0, num_layers: int = 3) -> HostKVPool:
-    dev = DeviceKVPool(
-        num_slots=32, num_layers=num_layers, head_num=1 if mla else 2, head_dim=8, dtype=torch.bfloat16,
-        device="cpu", page_size=PAGE, mla=mla,
-    )  # fmt: skip
-    host = HostKVPool(dev, layout=layout, ratio=4.0)
-    random_bytes_(host.buffer, torch.Generator().manual_seed(seed))
-    return host
-
-
-def page_bytes(host: HostKVPool, slots: torch.Tensor) -> list[bytes]:
-    """Each page's bytes gathered by tensor indexing through the layout (independent of page_ranges)."""
-    out = []
-    for p in range(0, len(slots), PAGE):
-        s = slots[p : p + PAGE]
-        parts = []
-        for kv in range(1 if host.mla else 2):
-            t = host.buffer if host.mla else host.buffer[kv]
-            if host.layout == "layer_first":
-                parts += [t[layer, s].contiguous() for layer in range(host.num_layers)]
-            elif host.layout == "page_first":
-                parts.append(t[s].contiguous())
-            else:  # page_first_direct and page_head: one page index
-                parts.append(t[int(s[0]) // PAGE].contiguous())
-        out.append(b"".join(x.view(torch.uint8).numpy().tobytes() for x in parts))
-    return out
-
-
 def keys_for(n: int, salt: str) -> list[str]:
     """Keys unique to ``salt``: the tests share one store."""
     return page_keys(list(range(n * PAGE)), PAGE, namespace=Namespace("mc-" + salt, "bfloat16", 3, 2, 8, PAGE, "x"))
