@@ -4,8 +4,8 @@ for every host layout and the io-backends usable on CPU (Triton under its interp
 
 from __future__ import annotations
 
+import dataclasses
 import random
-import time
 
 import pytest
 import torch
@@ -43,7 +43,7 @@ def make_cache(pool, *, layout="page_first", io_backend="direct", write_policy="
 
 def serve_and_compare(engine: Engine, model: TinyLM, new_tokens: int = 5, **conv) -> list:
     """Serve the conversations through ``engine`` and a recompute engine; every result equal."""
-    ref = Engine(model, CFG.pool(512, PAGE))
+    ref = Engine(model, model.cfg.pool(512, PAGE))
     stats = []
     gen = conversations(**conv)
     msg = None
@@ -62,10 +62,15 @@ def serve_and_compare(engine: Engine, model: TinyLM, new_tokens: int = 5, **conv
 
 
 @pytest.mark.parametrize("io_backend", ["direct", "staged", "triton"])
-@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
-def test_served_equals_recompute_every_layout(layout, io_backend):
-    model = TinyLM(CFG)
-    pool = CFG.pool(100, PAGE)  # about a third of the working set: the device tier evicts to the host
+@pytest.mark.parametrize(
+    "layout,mla",
+    [("page_first", False), ("layer_first", False), ("page_first_direct", False), ("page_head", False),
+     ("page_first", True), ("layer_first", True), ("page_first_direct", True)],
+)  # fmt: skip
+def test_served_equals_recompute_every_layout(layout, mla, io_backend):
+    cfg = dataclasses.replace(CFG, mla=mla, kv_lora=12)
+    model = TinyLM(cfg)
+    pool = cfg.pool(100, PAGE)  # about a third of the working set: the device tier evicts to the host
     with make_cache(pool, layout=layout, io_backend=io_backend) as cache:
         stats = serve_and_compare(Engine(model, pool, cache), model)
         assert sum(s.device_hit for s in stats) > 0 and sum(s.host_hit for s in stats) > 0
@@ -85,23 +90,39 @@ def test_served_equals_recompute_every_write_policy(write_policy):
 
 
 def test_a_delayed_layer_load_is_waited_for(monkeypatch):
-    """Layer 1 of every load-back arrives late: the forward must wait for it and still read the right
-    bytes (a forward that did not wait would read stale K/V and differ from the recompute)."""
-    delayed = []
+    """Layer 1 of every load-back is issued only once the forward is already waiting for it: the forward
+    must block on the layer counter and then read the right bytes (one that did not wait would read
+    stale K/V, and its logits would differ from the recompute's). No timing: the order is forced."""
+    import threading
+
+    from hicache.layer_counter import LayerDoneCounter
+
+    events: list[str] = []
+    waiting = threading.Event()
+    real_wait = LayerDoneCounter.wait_until
+
+    def wait_until(self, layer, *args, **kwargs):
+        if layer == 1:
+            events.append("forward waits for layer 1")
+            waiting.set()
+        return real_wait(self, layer, *args, **kwargs)
 
     def around(issue, call):
         if call.layer_id == 1:
-            time.sleep(0.03)
-            delayed.append(call.layer_id)
+            assert waiting.wait(10), "the forward never waited for layer 1"
+            waiting.clear()
+            events.append("layer 1 issued")
         return issue()
 
+    monkeypatch.setattr(LayerDoneCounter, "wait_until", wait_until)
     wrap_copies(monkeypatch, "load_layer", around)
     model = TinyLM(CFG)
     pool = CFG.pool(100, PAGE)
     with make_cache(pool) as cache:
         stats = serve_and_compare(Engine(model, pool, cache), model)
-        loaded = [s for s in stats if s.host_hit]
-        assert loaded and delayed and all(s.load_wait_s > 0.02 for s in loaded)
+        loads = sum(1 for s in stats if s.host_hit)
+        assert loads > 0
+        assert events[: 2 * loads] == ["forward waits for layer 1", "layer 1 issued"] * loads
         cache.flush()
         cache.verify()
 
@@ -143,6 +164,11 @@ def test_recompute_engine_and_refusals():
         engine.generate([], 3)
     with pytest.raises(ValueError, match="pool: not shaped for this model"):
         Engine(model, ModelConfig(num_kv_heads=4).pool(64, PAGE))
+    with pytest.raises(ValueError, match="pool: not shaped for this model"):
+        Engine(model, dataclasses.replace(CFG, mla=True).pool(64, PAGE))
+    mla = TinyLM(dataclasses.replace(CFG, mla=True, kv_lora=12))
+    assert mla.cfg.pool(16, PAGE).mla and Engine(mla, mla.cfg.pool(64, PAGE)).generate([5, 6], 2).logits.shape == (
+        2, CFG.vocab)  # fmt: skip
     with pytest.raises(ValueError, match="num_kv_heads: expected a divisor"):
         ModelConfig(num_heads=4, num_kv_heads=3)
     other = CFG.pool(64, PAGE)

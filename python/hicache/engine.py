@@ -2,7 +2,9 @@
 
 :class:`TinyLM` is a plain-torch model with seeded random weights (no downloads): ``num_layers``
 layers of grouped-query attention (``num_heads`` query heads sharing ``num_kv_heads`` K/V heads of
-``head_dim``) and a GELU MLP, pre-RMS-norm, fixed sinusoidal positions. Its attention keeps no K/V of
+``head_dim``) and a GELU MLP, pre-RMS-norm, fixed sinusoidal positions. With ``mla=True`` a layer
+caches one latent vector of ``kv_lora`` elements per token instead (an MLA pool), from which every
+head's K and V are projected up when attention reads it. Its attention keeps no K/V of
 its own: each layer writes the new tokens' K and V into the :class:`~hicache.pools.DeviceKVPool` at
 the request's slots and reads every earlier token's K and V back from there (paged: the pool is the
 only KV storage).
@@ -53,9 +55,11 @@ class ModelConfig:
     # float32 whether a prefix came from the cache or was recomputed; slow). False: matmuls and fused
     # attention (for benchmarks at real sizes, on a GPU).
     exact: bool = True
+    mla: bool = False  # cache a kv_lora-element latent per token (an MLA pool) instead of K and V heads
+    kv_lora: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab"):
+        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "kv_lora"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
@@ -64,7 +68,10 @@ class ModelConfig:
             )
 
     def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
-        """A device KV pool shaped for this model."""
+        """A device KV pool shaped for this model (an MLA pool of ``kv_lora`` when ``mla``)."""
+        if self.mla:
+            return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=1, head_dim=self.kv_lora,
+                                dtype=self.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
         return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=self.num_kv_heads,
                             head_dim=self.head_dim, dtype=self.dtype, device=device, page_size=page_size)  # fmt: skip
 
@@ -94,10 +101,25 @@ class TinyLM:
             return t.to(device=self.device, dtype=cfg.dtype)
 
         self.embed = w(cfg.vocab, h) * math.sqrt(h)
-        self.layers = [
-            {"wq": w(h, q), "wk": w(h, kv), "wv": w(h, kv), "wo": w(q, h), "w1": w(h, f), "w2": w(f, h)}
-            for _ in range(cfg.num_layers)
-        ]
+        if cfg.mla:  # down to the latent, and up from it to every head's K and V
+            r = cfg.kv_lora
+            self.layers = [
+                {
+                    "wq": w(h, q),
+                    "wdkv": w(h, r),
+                    "wuk": w(r, q),
+                    "wuv": w(r, q),
+                    "wo": w(q, h),
+                    "w1": w(h, f),
+                    "w2": w(f, h),
+                }  # fmt: skip
+                for _ in range(cfg.num_layers)
+            ]
+        else:
+            self.layers = [
+                {"wq": w(h, q), "wk": w(h, kv), "wv": w(h, kv), "wo": w(q, h), "w1": w(h, f), "w2": w(f, h)}
+                for _ in range(cfg.num_layers)
+            ]
         self.head = w(h, cfg.vocab)
         inv = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
         self._inv_freq = inv
@@ -131,15 +153,25 @@ class TinyLM:
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
             q = mm(a, layer["wq"]).view(n, cfg.num_heads, d)
-            k = mm(a, layer["wk"]).view(n, cfg.num_kv_heads, d)
-            v = mm(a, layer["wv"]).view(n, cfg.num_kv_heads, d)
-            if wait_layer is not None:
-                wait_layer(li)  # the prefix's K/V of this layer has landed in the pool
-            pk, pv = pool.k[li], pool.v[li]
-            pk[slots[start : start + n]] = k
-            pv[slots[start : start + n]] = v
-            keys = pk[slots[: start + n]].repeat_interleave(group, dim=1)  # [S, Hq, d]
-            vals = pv[slots[: start + n]].repeat_interleave(group, dim=1)
+            if cfg.mla:
+                latent = mm(a, layer["wdkv"]).view(n, 1, cfg.kv_lora)
+                if wait_layer is not None:
+                    wait_layer(li)  # the prefix's latents of this layer have landed in the pool
+                pkv = pool.kv[li]
+                pkv[slots[start : start + n]] = latent
+                c = pkv[slots[: start + n]].view(start + n, cfg.kv_lora)
+                keys = mm(c, layer["wuk"]).view(start + n, cfg.num_heads, d)  # [S, Hq, d]
+                vals = mm(c, layer["wuv"]).view(start + n, cfg.num_heads, d)
+            else:
+                k = mm(a, layer["wk"]).view(n, cfg.num_kv_heads, d)
+                v = mm(a, layer["wv"]).view(n, cfg.num_kv_heads, d)
+                if wait_layer is not None:
+                    wait_layer(li)  # the prefix's K/V of this layer has landed in the pool
+                pk, pv = pool.k[li], pool.v[li]
+                pk[slots[start : start + n]] = k
+                pv[slots[start : start + n]] = v
+                keys = pk[slots[: start + n]].repeat_interleave(group, dim=1)  # [S, Hq, d]
+                vals = pv[slots[: start + n]].repeat_interleave(group, dim=1)
             if cfg.exact:
                 out = torch.empty(n, cfg.num_heads, d, dtype=cfg.dtype, device=self.device)
                 for i in range(n):  # each query over exactly its own prefix: shapes independent of the batch
@@ -188,7 +220,9 @@ class Engine:
     def __init__(self, model: TinyLM, pool: DeviceKVPool, cache: HiRadixCache | None = None) -> None:
         if cache is not None and cache.device_pool is not pool:
             raise ValueError("cache: its device pool is not the engine's pool")
-        if pool.mla or pool.head_num != model.cfg.num_kv_heads or pool.head_dim != model.cfg.head_dim:
+        c = model.cfg
+        want = (True, 1, c.kv_lora) if c.mla else (False, c.num_kv_heads, c.head_dim)
+        if (pool.mla, pool.head_num, pool.head_dim) != want:
             raise ValueError("pool: not shaped for this model (see ModelConfig.pool)")
         self.model = model
         self.pool = pool
