@@ -186,3 +186,37 @@ def test_fast_path_agrees_with_the_exact_one():
     b = Engine(fast, CFG.pool(128, PAGE)).generate(list(range(10, 40)), 6)
     assert a.tokens == b.tokens
     assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_batches_equal_recompute(mla):
+    """A round's requests served as one batch (one load-back batch, one prefill, a decode step each),
+    the same prompt twice in a batch included: each equals its own recompute."""
+    cfg = dataclasses.replace(CFG, mla=mla, kv_lora=12)
+    model = TinyLM(cfg)
+    ref = Engine(model, cfg.pool(512, PAGE))
+    pool = cfg.pool(120, PAGE)  # the cold conversations leave the device between their rounds
+    r = random.Random(4)
+    system = [r.randrange(cfg.vocab) for _ in range(12)]
+    history = [list(system) for _ in range(4)]
+    with make_cache(pool, threaded=False) as cache:  # inline copies: which nodes get evicted is reproducible
+        engine = Engine(model, pool, cache)
+        loaded = 0
+        for turn in range(6):
+            pair = [turn % 4, (turn + 1) % 4]  # two conversations a round: the others go cold meanwhile
+            for c in pair:
+                history[c] += [r.randrange(cfg.vocab) for _ in range(r.randint(3, 9))]
+            prompts = [list(history[c]) for c in pair] + [list(history[pair[0]])]  # the first one twice
+            got = engine.generate_batch(prompts, 4)
+            for p, g in zip(prompts, got, strict=True):
+                want = ref.generate(p, 4)
+                assert g.tokens == want.tokens and torch.equal(g.logits, want.logits)
+                assert g.extra["batch"] == 3
+            loaded += sum(g.host_hit for g in got)
+            for c, g in zip(pair, got, strict=False):
+                history[c] += g.tokens
+        assert loaded > 0 and cache.metrics.load_backs > 0
+        cache.flush()
+        cache.verify()
+    with pytest.raises(ValueError, match="prompt: expected at least one token"):
+        engine.generate_batch([[1, 2], []], 2)

@@ -4,8 +4,9 @@ hierarchical cache (device + host) and the hierarchical cache with a storage tie
 Workloads: ``multiturn`` (clients with a shared system prompt, several rounds each; a round's prompt is
 the whole history plus a new question) and ``longqa`` (one long document, many questions). Requests
 arrive as a Poisson process at ``--rate`` per second (0: all at once) and are served one at a time,
-in arrival order; a request's time to first token (TTFT) counts from its arrival, so waiting behind
-slower requests counts too (the service times are measured, the queue is simulated).
+in arrival order, up to ``--max-parallel`` of one round at a time as one batch; a request's time to
+first token (TTFT) counts from its arrival, so waiting behind slower requests counts too (the service
+times are measured, the queue is simulated).
 
 Modes: ``recompute`` (no cache), ``device`` (radix cache on the device pool only: nothing is ever
 backed up, eviction deletes), ``hierarchical`` (write-through to the host pool, host hits loaded back
@@ -130,17 +131,28 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, reqs: list[Requ
     clock = 0.0  # the simulated server: busy until clock
     t_start = time.perf_counter()
     try:
-        for i, q in enumerate(reqs):
-            prompt = prompt_of(q, answers)
-            begin = max(clock, q.arrival)
-            res = engine.generate(prompt, q.new_tokens)
-            clock = begin + res.total_s
-            answers[(q.client, q.round)] = res.tokens
-            rows.append({"round": q.round, "prompt": len(prompt), "ttft_s": begin - q.arrival + res.ttft_s,
-                         "service_s": res.total_s, "device_hit": res.device_hit, "host_hit": res.host_hit,
-                         "computed": res.computed, "load_wait_s": res.load_wait_s})  # fmt: skip
+        i = 0
+        while i < len(reqs):
+            # The next request, and those of the same round that arrived by the time the server is free,
+            # up to --max-parallel: one batch (a round's prompts need the previous round's answers).
+            begin = max(clock, reqs[i].arrival)
+            j = i + 1
+            while (j < len(reqs) and j - i < args.max_parallel and reqs[j].arrival <= begin
+                   and reqs[j].round == reqs[i].round):  # fmt: skip
+                j += 1
+            batch = reqs[i:j]
+            prompts = [prompt_of(q, answers) for q in batch]
+            results = engine.generate_batch(prompts, batch[0].new_tokens)
+            clock = begin + results[0].total_s
+            for q, prompt, res in zip(batch, prompts, results, strict=True):
+                answers[(q.client, q.round)] = res.tokens
+                rows.append({"round": q.round, "prompt": len(prompt), "ttft_s": begin - q.arrival + res.ttft_s,
+                             "service_s": res.total_s, "device_hit": res.device_hit, "host_hit": res.host_hit,
+                             "computed": res.computed, "load_wait_s": res.load_wait_s,
+                             "batch": len(batch)})  # fmt: skip
+            i = j
             if args.progress:
-                print(f"\r{mode:>12}: {i + 1}/{len(reqs)}", end="", file=sys.stderr, flush=True)
+                print(f"\r{mode:>12}: {i}/{len(reqs)}", end="", file=sys.stderr, flush=True)
         if cache is not None:
             cache.flush()
             cache.verify()
@@ -220,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-len", type=int, default=512, help="longqa: the document's tokens")
     p.add_argument("--questions", type=int, default=16, help="longqa: questions over the document")
     p.add_argument("--rate", type=float, default=0.0, help="requests per second, Poisson (0: all at once)")
+    p.add_argument("--max-parallel", type=int, default=1,
+                   help="requests of one round served together (one prefill, one decode step each)")  # fmt: skip
     p.add_argument("--device-fraction", type=float, default=0.25, help="device pool / working set")
     p.add_argument("--host-ratio", type=float, default=4.0, help="host pool / device pool")
     p.add_argument("--storage-host-ratio", type=float, default=2.0, help="host pool / device pool, storage mode")
@@ -248,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         a.clients, a.rounds, a.system_len, a.turn_len, a.output_len = 6, 4, 32, 12, 4
         a.doc_len, a.questions = min(a.doc_len, 192), min(a.questions, 8)
         a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim = 2, 32, 4, 2, 8
-    for name in ("clients", "rounds", "output_len", "page_size", "questions"):
+        a.max_parallel = max(a.max_parallel, 2)
+    for name in ("clients", "rounds", "output_len", "page_size", "questions", "max_parallel"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1")
     if not 0 < a.device_fraction <= 1:
@@ -273,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(prompt_of(q, {(c, k): [0] * a.output_len for c in range(a.clients) for k in range(a.rounds)}))
                   for q in reqs) + a.output_len  # fmt: skip
     ps = a.page_size
-    slots = max(int(ws * a.device_fraction), 2 * longest)  # room for the largest request and its prefix
+    # Room for a whole batch of the largest requests, and one more.
+    slots = max(int(ws * a.device_fraction), (a.max_parallel + 1) * longest)
     slots = -(-slots // ps) * ps
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -141,55 +141,76 @@ class TinyLM:
         ``slots`` are the device slots of positions ``0 .. start + len(tokens) - 1`` (the prefix's KV is
         already there, or arriving: ``wait_layer(k)`` is called before layer ``k`` reads it).
         """
+        return self.forward_batch(pool, [(tokens, start, slots)], wait_layer)[0]
+
+    def forward_batch(
+        self,
+        pool: DeviceKVPool,
+        seqs: list[tuple[list[int], int, torch.Tensor]],
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`forward` for several sequences at once, ``(tokens, start, slots)`` each: the rows of all
+        of them go through each projection together; attention stays within each sequence."""
         cfg = self.cfg
-        n = len(tokens)
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
-        slots = slots.to(self.device)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        x = self.embed[ids] + self.positions(start, n)
+        lens = [len(t) for t, _, _ in seqs]
+        n = sum(lens)
+        seqs = [(t, start, sl.to(self.device)) for t, start, sl in seqs]
+        ids = torch.tensor([tok for t, _, _ in seqs for tok in t], dtype=torch.int64, device=self.device)
+        x = self.embed[ids] + torch.cat([self.positions(start, len(t)) for t, start, _ in seqs])
         scale = 1.0 / math.sqrt(d)
         mm = _rowmm if cfg.exact else torch.matmul
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
-            q = mm(a, layer["wq"]).view(n, cfg.num_heads, d)
-            if cfg.mla:
-                latent = mm(a, layer["wdkv"]).view(n, 1, cfg.kv_lora)
-                if wait_layer is not None:
-                    wait_layer(li)  # the prefix's latents of this layer have landed in the pool
-                pkv = pool.kv[li]
-                pkv[slots[start : start + n]] = latent
-                c = pkv[slots[: start + n]].view(start + n, cfg.kv_lora)
-                keys = mm(c, layer["wuk"]).view(start + n, cfg.num_heads, d)  # [S, Hq, d]
-                vals = mm(c, layer["wuv"]).view(start + n, cfg.num_heads, d)
-            else:
-                k = mm(a, layer["wk"]).view(n, cfg.num_kv_heads, d)
-                v = mm(a, layer["wv"]).view(n, cfg.num_kv_heads, d)
-                if wait_layer is not None:
-                    wait_layer(li)  # the prefix's K/V of this layer has landed in the pool
-                pk, pv = pool.k[li], pool.v[li]
-                pk[slots[start : start + n]] = k
-                pv[slots[start : start + n]] = v
-                keys = pk[slots[: start + n]].repeat_interleave(group, dim=1)  # [S, Hq, d]
-                vals = pv[slots[: start + n]].repeat_interleave(group, dim=1)
-            if cfg.exact:
-                out = torch.empty(n, cfg.num_heads, d, dtype=cfg.dtype, device=self.device)
-                for i in range(n):  # each query over exactly its own prefix: shapes independent of the batch
-                    s = start + i + 1
-                    scores = (q[i][None] * keys[:s]).sum(-1) * scale  # [s, Hq]
-                    p = torch.softmax(scores, dim=0)
-                    out[i] = (p[..., None] * vals[:s]).sum(0)
-            else:
-                causal = (
-                    torch.arange(start + n, device=self.device)[None]
-                    <= (torch.arange(start, start + n, device=self.device)[:, None])
-                )
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=causal
-                ).transpose(0, 1)
+            q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)
+            new = mm(a, layer["wdkv"]) if cfg.mla else (mm(a, layer["wk"]), mm(a, layer["wv"]))
+            if wait_layer is not None:
+                wait_layer(li)  # the prefixes' K/V (latents) of this layer have landed in the pool
+            outs = []
+            row = 0
+            for (_, start, slots), m in zip(seqs, lens, strict=True):
+                q = q_all[row : row + m]
+                if cfg.mla:
+                    pkv = pool.kv[li]
+                    pkv[slots[start : start + m]] = new[row : row + m].view(m, 1, cfg.kv_lora)
+                    c = pkv[slots[: start + m]].view(start + m, cfg.kv_lora)
+                    keys = mm(c, layer["wuk"]).view(start + m, cfg.num_heads, d)  # [S, Hq, d]
+                    vals = mm(c, layer["wuv"]).view(start + m, cfg.num_heads, d)
+                else:
+                    pk, pv = pool.k[li], pool.v[li]
+                    pk[slots[start : start + m]] = new[0][row : row + m].view(m, cfg.num_kv_heads, d)
+                    pv[slots[start : start + m]] = new[1][row : row + m].view(m, cfg.num_kv_heads, d)
+                    keys = pk[slots[: start + m]].repeat_interleave(group, dim=1)  # [S, Hq, d]
+                    vals = pv[slots[: start + m]].repeat_interleave(group, dim=1)
+                outs.append(self._attend(q, keys, vals, start, scale))
+                row += m
+            out = torch.cat(outs)
             x = x + mm(out.reshape(n, -1), layer["wo"])
             x = x + mm(torch.nn.functional.gelu(mm(_rmsnorm(x), layer["w1"])), layer["w2"])
-        return mm(_rmsnorm(x), self.head)
+        logits = mm(_rmsnorm(x), self.head)
+        return list(logits.split(lens))
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of queries at positions ``start ..`` over ``keys``/``vals`` ``[S, Hq, d]``."""
+        cfg = self.cfg
+        m = len(q)
+        if cfg.exact:
+            out = torch.empty(m, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
+            for i in range(m):  # each query over exactly its own prefix: shapes independent of the batch
+                s = start + i + 1
+                p = torch.softmax((q[i][None] * keys[:s]).sum(-1) * scale, dim=0)  # [s, Hq]
+                out[i] = (p[..., None] * vals[:s]).sum(0)
+            return out
+        causal = (
+            torch.arange(start + m, device=self.device)[None]
+            <= (torch.arange(start, start + m, device=self.device)[:, None])
+        )
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=causal
+        ).transpose(0, 1)
 
 
 @dataclass
@@ -244,74 +265,109 @@ class Engine:
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> GenerationResult:
         """Serve one request: greedy decoding of ``max_new_tokens`` tokens after ``prompt``."""
+        return self.generate_batch([prompt], max_new_tokens)[0]
+
+    def _prepare(self, prompt: list[int], loads: list) -> dict:
+        """Match (and prefetch from storage, load back from the host) one request's prefix, locked."""
+        cache = self.cache
+        req = {"prompt": prompt, "prefix": torch.empty(0, dtype=torch.int64), "locked": [], "device_hit": 0,
+               "host_hit": 0}  # fmt: skip
+        if cache is None:
+            return req
+        # At most the prompt minus one token: the last one is always computed (its logits give the
+        # first new token).
+        m = cache.match_prefix(prompt[:-1])
+        self._requests += 1
+        if cache.storage is not None and cache.prefetch_from_storage(self._requests, m.last_host_node, prompt[:-1]):
+            while not cache.check_prefetch_progress(self._requests):  # admitted by the policy
+                time.sleep(0.0002)
+            m = cache.match_prefix(prompt[:-1])  # what the store brought is now a host hit
+        req["prefix"], req["device_hit"] = m.device_indices, len(m.device_indices)
+        cache.inc_lock_ref(m.last_device_node)
+        req["locked"].append(m.last_device_node)
+        if m.host_hit_length:
+            cache.inc_lock_ref(m.last_host_node)
+            req["locked"].append(m.last_host_node)
+            loaded = cache.load_back(m.last_host_node)
+            if loaded is not None:
+                req["prefix"] = torch.cat([req["prefix"], loaded])
+                req["host_hit"] = len(loaded)
+                loads.append(loaded)
+        return req
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[GenerationResult]:
+        """Serve several requests together: their prefixes matched (and loaded back in one layer-by-layer
+        batch), their prompts prefilled in one forward, then decoded a token each per step. Requests of
+        one batch do not share what they compute (each is matched before any is inserted)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-        if not prompt:
-            raise ValueError("prompt: expected at least one token")
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("prompt: expected at least one token in each prompt")
         t0 = time.perf_counter()
         ps = self.pool.page_size
         cache = self.cache
-        prefix = torch.empty(0, dtype=torch.int64)
-        locked = []
+        loads: list = []
+        reqs = [self._prepare(list(p), loads) for p in prompts]
         wait = None
         waited = [0.0]
-        device_hit = host_hit = 0
-        if cache is not None:
-            # Match at most the prompt minus one token: the last one is always computed (its logits
-            # give the first new token).
-            m = cache.match_prefix(prompt[:-1])
-            self._requests += 1
-            if cache.storage is not None and cache.prefetch_from_storage(self._requests, m.last_host_node, prompt[:-1]):
-                while not cache.check_prefetch_progress(self._requests):  # admitted by the policy
-                    time.sleep(0.0002)
-                m = cache.match_prefix(prompt[:-1])  # what the store brought is now a host hit
-            prefix, device_hit = m.device_indices, len(m.device_indices)
-            cache.inc_lock_ref(m.last_device_node)
-            locked.append(m.last_device_node)
-            if m.host_hit_length:
-                cache.inc_lock_ref(m.last_host_node)
-                locked.append(m.last_host_node)
-                loaded = cache.load_back(m.last_host_node)
-                if loaded is not None:
-                    generation = cache.start_loading()
-                    prefix = torch.cat([prefix, loaded])
-                    host_hit = len(loaded)
-                    counter = cache.controller.layer_counter
+        if loads:
+            generation = cache.start_loading()  # one layer-by-layer batch for every request's load-back
+            counter = cache.controller.layer_counter
 
-                    def wait(layer: int) -> None:
-                        w0 = time.perf_counter()
-                        counter.wait_until(layer, generation=generation)
-                        waited[0] += time.perf_counter() - w0
+            def wait(layer: int) -> None:
+                w0 = time.perf_counter()
+                counter.wait_until(layer, generation=generation)
+                waited[0] += time.perf_counter() - w0
 
-        start = len(prefix)
-        fed = len(prompt) + max_new_tokens - 1  # the last new token is never fed back
-        need = -(-fed // ps) * ps - start
-        slots = torch.cat([prefix, self._alloc(need)])
-        logits = self.model.forward(self.pool, prompt[start:], start, slots, wait)[-1:]
-        out = [int(logits[-1].argmax())]
+        fed = [len(r["prompt"]) + max_new_tokens - 1 for r in reqs]  # the last new token is never fed back
+        try:
+            for r, f in zip(reqs, fed, strict=True):
+                start = len(r["prefix"])
+                r["slots"] = torch.cat([r["prefix"], self._alloc(-(-f // ps) * ps - start)])
+        except MemoryError:
+            for r in reqs:
+                if "slots" in r:
+                    self.pool.free(r["slots"][len(r["prefix"]) :])
+                for node in r["locked"]:
+                    cache.dec_lock_ref(node)
+            raise
+        seqs = [(r["prompt"][len(r["prefix"]) :], len(r["prefix"]), r["slots"]) for r in reqs]
+        rows = [[lg[-1]] for lg in self.model.forward_batch(self.pool, seqs, wait)]
+        outs = [[int(x[0].argmax())] for x in rows]
         ttft = time.perf_counter() - t0
-        rows = [logits[-1]]
-        pos = len(prompt)
-        for _ in range(max_new_tokens - 1):
-            step = self.model.forward(self.pool, out[-1:], pos, slots)[-1]
-            rows.append(step)
-            out.append(int(step.argmax()))
-            pos += 1
-        if cache is None:
-            self.pool.free(slots)
-        else:
-            seq = (prompt + out)[:fed]
-            key_len = fed - fed % ps
-            dup = cache.insert(seq[:key_len], slots[:key_len])
+        for step in range(max_new_tokens - 1):
+            seqs = [([o[-1]], len(r["prompt"]) + step, r["slots"]) for r, o in zip(reqs, outs, strict=True)]
+            for x, o, lg in zip(rows, outs, self.model.forward_batch(self.pool, seqs), strict=True):
+                x.append(lg[-1])
+                o.append(int(lg[-1].argmax()))
+        for r, o, f in zip(reqs, outs, fed, strict=True):
+            slots, start = r["slots"], len(r["prefix"])
+            if cache is None:
+                self.pool.free(slots)
+                continue
+            key_len = f - f % ps
+            dup = cache.insert((r["prompt"] + o)[:key_len], slots[:key_len])
             if dup > start:  # another request cached part of ours meanwhile: our copies go
                 self.pool.free(slots[start:dup])
             if key_len < len(slots):
                 self.pool.free(slots[key_len:])
-            for node in locked:
+            for node in r["locked"]:
                 cache.dec_lock_ref(node)
+        if cache is not None:
             cache.check_loads()
             cache.check_writes()
-        return GenerationResult(
-            tokens=out, logits=torch.stack(rows), ttft_s=ttft, total_s=time.perf_counter() - t0,
-            device_hit=device_hit, host_hit=host_hit, computed=len(prompt) - start, load_wait_s=waited[0],
-        )  # fmt: skip
+        total = time.perf_counter() - t0
+        return [
+            GenerationResult(
+                tokens=o,
+                logits=torch.stack(x),
+                ttft_s=ttft,
+                total_s=total,
+                device_hit=r["device_hit"],
+                host_hit=r["host_hit"],
+                computed=len(r["prompt"]) - len(r["prefix"]),
+                load_wait_s=waited[0],
+                extra={"batch": len(reqs)},
+            )  # fmt: skip
+            for r, o, x in zip(reqs, outs, rows, strict=True)
+        ]
