@@ -16,6 +16,8 @@ def test_bench_serving_quick(tmp_path, workload):
     args = ["--quick", "--workload", workload, "--json", str(out), "--plot", str(tmp_path / "s.png")]
     assert main(args) == 0
     data = json.loads(out.read_text())
+    if workload == "multiturn":  # --quick: the device pool holds a quarter of the working set
+        assert data["device_slots"] <= data["working_set_tokens"] // 4 + 4
     res = {r["mode"]: r for r in data["results"]}
     assert list(res) == list(MODES)
     n = len(res["recompute"]["rows"])
@@ -38,3 +40,10 @@ def test_bench_serving_refusals(capsys):
     if not torch.cuda.is_available():
         assert main(["--quick", "--device", "cuda"]) == 2
         assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_bench_serving_batches(tmp_path):
+    out = tmp_path / "serving.json"
+    assert main(["--quick", "--max-parallel", "3", "--modes", "recompute", "hierarchical", "--json", str(out)]) == 0
+    rows = {r["mode"]: r["rows"] for r in json.loads(out.read_text())["results"]}
+    assert max(r["batch"] for r in rows["hierarchical"]) == 3

@@ -259,10 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="PATH.png")
     a = p.parse_args(argv)
     if a.quick:
-        a.clients, a.rounds, a.system_len, a.turn_len, a.output_len = 6, 4, 32, 12, 4
+        a.clients, a.rounds, a.system_len, a.turn_len, a.output_len = 8, 4, 32, 12, 4
         a.doc_len, a.questions = min(a.doc_len, 192), min(a.questions, 8)
         a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim = 2, 32, 4, 2, 8
-        a.max_parallel = max(a.max_parallel, 2)
     for name in ("clients", "rounds", "output_len", "page_size", "questions", "max_parallel"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1")
