@@ -55,6 +55,14 @@ def load_extension() -> ModuleType:
     return mod
 
 
+def optional_attr(name: str) -> Any:
+    """``hicache_kernels._C.<name>``, or None when the extension does not import (a pure-Python build)
+    or predates ``name``: for the host-side helpers the package also has in Python, which callers use
+    instead (same results, slower)."""
+    mod, _ = _load()
+    return None if mod is None else getattr(mod, name, None)
+
+
 @functools.lru_cache(maxsize=1)
 def driver_version() -> int:
     """The newest CUDA version the installed driver supports (e.g. 13000 for 13.0); 0 without a driver.

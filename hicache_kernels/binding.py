@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from . import layouts
+from ._ext import optional_attr
 from ._validate import (
     DevicePool,
     device_pool,
@@ -175,15 +176,8 @@ class BoundPools:
 # ------------------------------------------------------------------------------------------------------
 # Caches keyed by the identity of live arguments (the ops' bindings, compat's routes)
 # ------------------------------------------------------------------------------------------------------
-def _load_same_items() -> Any:
-    from ._ext import extension_status, load_extension  # noqa: PLC0415
-
-    if not extension_status()[0]:
-        return None  # a pure-Python build: the tuple-of-ids comparison below does the same
-    return getattr(load_extension(), "same_items", None)
-
-
-_same_items = _load_same_items()
+# None in a pure-Python build: the tuple-of-ids comparison below does the same.
+_same_items = optional_attr("same_items")
 
 
 class _Same:

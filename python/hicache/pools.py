@@ -75,11 +75,10 @@ _RESERVED_INT = int(SlotState.RESERVED)
 
 def _compiled_page_stack(stack: np.ndarray, states: np.ndarray, ever: np.ndarray, page_size: int):
     """``hicache_kernels._C.PageStack(...).pop`` over the pool's arrays, or None without the extension."""
-    from hicache_kernels._ext import extension_status, load_extension  # noqa: PLC0415
+    from hicache_kernels._ext import optional_attr  # noqa: PLC0415
 
-    if not extension_status()[0] or not hasattr(load_extension(), "PageStack"):
-        return None
-    return load_extension().PageStack(stack, states, ever, page_size).pop
+    page_stack = optional_attr("PageStack")
+    return None if page_stack is None else page_stack(stack, states, ever, page_size).pop
 
 
 def _positive_int(value: object, name: str) -> int:

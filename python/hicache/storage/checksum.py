@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hicache_kernels._ext import optional_attr
+
 __all__ = ["PageChecksum", "checksum", "finish"]
 
 K1 = 0x9E3779B97F4A7C15
@@ -35,28 +37,10 @@ def _numpy_words(data: memoryview, first: int, total: int) -> int:
         return (total + int(x.sum(dtype=np.uint64))) & _MASK
 
 
-def _load_compiled():
-    try:
-        from hicache_kernels._ext import extension_status, load_extension  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - hicache_kernels is part of this distribution
-        return None
-    if not extension_status()[0]:
-        return None
-    return getattr(load_extension(), "checksum_words", None)
-
-
-_compiled = _load_compiled()
-
-
-def _load_pread():
-    from hicache_kernels._ext import extension_status, load_extension  # noqa: PLC0415
-
-    return getattr(load_extension(), "pread_checksum", None) if extension_status()[0] else None
-
-
+_compiled = optional_attr("checksum_words")
 # pread_checksum(fd, offset, buffers, first_word, sum, chunk) -> (bytes read, sum): a page read and
 # checksummed chunk by chunk in one call without the GIL (buffers of whole words); None without it.
-pread_checksum = _load_pread()
+pread_checksum = optional_attr("pread_checksum")
 
 
 def _words(data: memoryview, first: int, total: int) -> int:
