@@ -169,12 +169,12 @@ class StorageOps:
         depth = 0
         x = last_host_node
         while x is not self.root:
-            depth += self._node_length(x)
+            depth += x.num_tokens
             x = x.parent
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         rest = ids[depth : len(ids) - len(ids) % ps]
         policy = tier.policy
-        if len(rest) < max(policy.threshold_tokens, ps):
+        if not policy.worth(len(rest), ps):
             return False
         try:
             prev = tier.root_digest if last_host_node is self.root else self._keys_of(last_host_node)[-1]
@@ -234,7 +234,7 @@ class StorageOps:
             held = sum(len(q.host_slots) for q in self._prefetch_ops.values())
             hit = min(hit, max(0, policy.max_host_tokens - held) // ps)
         hit = self.controller.agree_min(hit)
-        if hit * ps < max(policy.threshold_tokens, ps):
+        if not policy.worth(hit * ps, ps):
             return False
         slots = self.host_pool.alloc(hit * ps)
         if slots is None:
@@ -284,10 +284,9 @@ class StorageOps:
             cut = m.prefetches_cut
             cut[self._storage.policy.name] = cut.get(self._storage.policy.name, 0) + 1
         m.prefetch_latency_s.append(time.perf_counter() - p.start)
-        if p.finished.is_set():
-            m.storage_read_time_s += p.read_s
         rest = p.host_slots[n:] if used else p.host_slots
         if p.finished.is_set():
+            m.storage_read_time_s += p.read_s
             if len(rest):
                 self.host_pool.free(rest)
         else:

@@ -64,6 +64,10 @@ class PrefetchPolicy:
         if self.batch_pages < 1:
             raise ValueError(f"batch_pages: expected >= 1, got {self.batch_pages}")
 
+    def worth(self, tokens: int, page_size: int) -> bool:
+        """Whether ``tokens`` are enough for a prefetch: at least ``threshold_tokens`` and a page."""
+        return tokens >= max(self.threshold_tokens, page_size)
+
     def deadline(self, start: float, hit_tokens: int) -> float:
         return start + min(self.timeout_max_s, self.timeout_base_s + self.timeout_per_1k_tokens_s * hit_tokens / 1000)
 
@@ -87,7 +91,6 @@ class Prefetch:
     query_hit: int = 0
     host_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     landed: int = 0
-    failed: bool = False
     read_s: float = 0.0  # the I/O thread's time on it
     queried: threading.Event = field(default_factory=threading.Event)  # the query thread is done with it
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -109,7 +112,7 @@ class StorageTier:
         (:attr:`Namespace.writer`: MLA pages only from rank 0).
     agree_min : the controller's TP agreement (minimum over ranks, always issued).
     policy : the :class:`PrefetchPolicy`.
-    threaded : run backups and prefetch reads on the tier's two threads (default). ``False`` runs each
+    threaded : run backups, hit queries and prefetch reads on the tier's three threads (default). ``False`` runs each
         inline when it is submitted (as the controller's ``threaded=False``): deterministic, for tests.
     """
 
@@ -141,12 +144,30 @@ class StorageTier:
         self._threads = []
         if threaded:
             self._threads = [
-                threading.Thread(target=self._backup_loop, name="hicache-storage-backup", daemon=True),
-                threading.Thread(target=self._prefetch_loop, name="hicache-storage-prefetch", daemon=True),
-                threading.Thread(target=self._query_loop, name="hicache-storage-query", daemon=True),
-            ]
+                threading.Thread(target=self._serve, args=(q, f"_{name}_one"), name=f"hicache-storage-{name}",
+                                 daemon=True)
+                for name, q in (("backup", self._backups), ("prefetch", self._prefetches), ("query", self._queries))
+            ]  # fmt: skip
         for t in self._threads:
             t.start()
+
+    def _serve(self, q: queue.Queue, method: str) -> None:
+        """A worker thread: ``self.<method>(*item)`` for each item of ``q`` until ``None`` (looked up per
+        item, as an inline call would)."""
+        while True:
+            item = q.get()
+            if item is not None:
+                getattr(self, method)(*item)
+            q.task_done()  # wait_backups joins the backup queue
+            if item is None:
+                return
+
+    def _submit(self, q: queue.Queue, method: str, *item: Any) -> None:
+        """``self.<method>(*item)`` on ``q``'s thread, or inline when the tier is not threaded."""
+        if self.threaded:
+            q.put(item)
+        else:
+            getattr(self, method)(*item)
 
     # ------------------------------------------------------------------ faults
     def _fault(self, kind: str, exc: BaseException) -> None:
@@ -157,19 +178,7 @@ class StorageTier:
     # ------------------------------------------------------------------ backups
     def submit_backup(self, node_id: int, keys: list[str], host_slots: torch.Tensor) -> None:
         """Queue the pages ``host_slots`` (SYNCED, held by a locked node) under ``keys``."""
-        if self.threaded:
-            self._backups.put((node_id, keys, host_slots))
-        else:
-            self._backup_one(node_id, keys, host_slots)
-
-    def _backup_loop(self) -> None:
-        while True:
-            item = self._backups.get()
-            if item is None:
-                self._backups.task_done()
-                return
-            self._backup_one(*item)
-            self._backups.task_done()
+        self._submit(self._backups, "_backup_one", node_id, keys, host_slots)
 
     def _backup_one(self, node_id: int, keys: list[str], slots: torch.Tensor) -> None:
         ps, batch = self.page_size, self.policy.batch_pages
@@ -211,17 +220,7 @@ class StorageTier:
 
     def start_query(self, p: Prefetch) -> None:
         """Key ``p.tokens``' pages and count the leading ones stored (on the query thread)."""
-        if self.threaded:
-            self._queries.put(p)
-        else:
-            self._query_one(p)
-
-    def _query_loop(self) -> None:
-        while True:
-            p = self._queries.get()
-            if p is None:
-                return
-            self._query_one(p)
+        self._submit(self._queries, "_query_one", p)
 
     def _query_one(self, p: Prefetch) -> None:
         try:
@@ -233,17 +232,8 @@ class StorageTier:
         p.queried.set()
 
     def start_prefetch(self, p: Prefetch) -> None:
-        if self.threaded:
-            self._prefetches.put(p)
-        else:
-            self._prefetch_one(p)
-
-    def _prefetch_loop(self) -> None:
-        while True:
-            p = self._prefetches.get()
-            if p is None:
-                return
-            self._prefetch_one(p)
+        """Read ``p.keys`` into ``p.host_slots`` (on the I/O thread)."""
+        self._submit(self._prefetches, "_prefetch_one", p)
 
     def _prefetch_one(self, p: Prefetch) -> None:
         ps, batch = self.page_size, self.policy.batch_pages
@@ -263,7 +253,6 @@ class StorageTier:
                     good += 1
                 p.landed = i + good  # leading pages only: a hole ends the prefix
                 if good < len(bk):
-                    p.failed = True
                     break
         finally:
             p.read_s = time.perf_counter() - t0
