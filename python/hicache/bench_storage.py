@@ -34,6 +34,7 @@ import torch
 from .pools import DeviceKVPool, HostKVPool
 from .radix_cache import HiRadixCache
 from .storage import FileBackend, StorageBackend, create_backend, page_views
+from .storage.file import _preadv_all, _pwritev_all  # the file backend's own whole-transfer loops
 from .storage.tier import PrefetchPolicy
 
 # name -> (layers, kv heads, head dim, mla): bf16 pools as the kernel benchmark's presets.
@@ -70,14 +71,15 @@ def _sequential(path: Path, views: list[memoryview], repeats: int) -> tuple[floa
     def write() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _all(os.pwritev, fd, views)
+            _pwritev_all(fd, views, 0)
         finally:
             os.close(fd)
 
     def read() -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
-            _all(os.preadv, fd, views)
+            if _preadv_all(fd, views, 0) != sum(len(v) for v in views):
+                raise OSError(f"{path}: short read")
         finally:
             os.close(fd)
 
@@ -85,25 +87,6 @@ def _sequential(path: Path, views: list[memoryview], repeats: int) -> tuple[floa
     read_s = _median(read, repeats)
     path.unlink()
     return write_s, read_s
-
-
-def _all(call, fd: int, views: list[memoryview]) -> None:
-    """pwritev/preadv every byte of ``views`` from offset 0 (short transfers and IOV_MAX handled)."""
-    offset, i, pos = 0, 0, 0
-    while i < len(views):
-        chunk = [views[i][pos:], *views[i + 1 : i + 512]]
-        n = call(fd, chunk, offset)
-        if n <= 0:
-            raise OSError("short transfer")
-        offset += n
-        while n and i < len(views):
-            left = len(views[i]) - pos
-            if n >= left:
-                n -= left
-                i, pos = i + 1, 0
-            else:
-                pos += n
-                n = 0
 
 
 def bench_batch(backend: StorageBackend, host: HostKVPool, pages: int, repeats: int, workdir: Path) -> dict[str, Any]:
