@@ -331,9 +331,7 @@ class HiRadixCache(CopyAcks, StorageOps):
         except ValueError:
             fast = False
         if not fast:
-            slots.check(s)
-            slots.check_duplicates(s[:dup], cached)
-            slots.check_unowned(s[dup:])
+            slots.check_insert(s, dup, cached)
         # Checked: from here on nothing raises. One copy of the slots the tree takes (the caller keeps
         # its tensor); the nodes hold views of it.
         taken = torch.from_numpy(s[dup:].copy())
@@ -402,10 +400,7 @@ class HiRadixCache(CopyAcks, StorageOps):
         mode, threshold = self._touch_mode, self.write_through_threshold
         status, dup, cached, splits, backups, _ = t.core.insert(src, s, priority, mode, threshold, False)
         if status:  # not the usual slots: the full check names the fault, or accepts them
-            slots = self._slots
-            slots.check(s)
-            slots.check_duplicates(s[:dup], [torch.from_numpy(cached)])
-            slots.check_unowned(s[dup:])
+            self._slots.check_insert(s, dup, [torch.from_numpy(cached)])
             status, dup, _, splits, backups, _ = t.core.insert(src, s, priority, mode, threshold, True)
         if splits:
             self._after_splits(splits)
@@ -430,9 +425,6 @@ class HiRadixCache(CopyAcks, StorageOps):
                 upper._host, lower._host = host[:at], host[at:]
             if lower_id in self._lost:
                 self._lost[upper_id] = upper
-
-    def _node_length(self, node: Any) -> int:
-        return node.num_tokens if self._tree is not None else len(node.key)
 
     def _child_nodes(self, node: Any) -> list:
         if self._tree is not None:
@@ -486,7 +478,7 @@ class HiRadixCache(CopyAcks, StorageOps):
                 self._slots.free(x.value)
             if x.host_value is not None:
                 self.host_pool.free(x.host_value)
-                self.metrics.host_evicted_tokens += self._node_length(x)
+                self.metrics.host_evicted_tokens += x.num_tokens
             x.value = x.host_value = None
             self._node_keys.pop(x.id, None)
         if self._tree is not None:
@@ -602,7 +594,7 @@ class HiRadixCache(CopyAcks, StorageOps):
             path.append(x)
             x = x.parent
         path.reverse()
-        lengths = [self._node_length(n) for n in path]
+        lengths = [n.num_tokens for n in path]
         total = sum(lengths)
         if total == 0:
             return None
@@ -654,11 +646,11 @@ class HiRadixCache(CopyAcks, StorageOps):
     # ------------------------------------------------------------------ state
     def evictable_size(self) -> int:
         """Device tokens in unlocked nodes."""
-        return sum(self._node_length(n) for n in self._nodes() if n.lock_ref == 0 and not n.evicted)
+        return sum(n.num_tokens for n in self._nodes() if n.lock_ref == 0 and not n.evicted)
 
     def protected_size(self) -> int:
         """Device tokens in locked nodes."""
-        return sum(self._node_length(n) for n in self._nodes() if n.lock_ref > 0 and not n.evicted)
+        return sum(n.num_tokens for n in self._nodes() if n.lock_ref > 0 and not n.evicted)
 
     def verify(self, external_device: torch.Tensor | None = None) -> None:
         """Check every invariant of the module docstring; raises AssertionError naming the first broken.

@@ -90,6 +90,14 @@ class TreeDeviceSlots:
                 "already freed); allocate them with device_pool.alloc"
             )
 
+    def check_insert(self, s: np.ndarray, dup: int, cached: list[torch.Tensor]) -> None:
+        """The full check of an insert's slots ``s`` (the fast paths' fallback, which names the fault):
+        :meth:`check` on all of them, :meth:`check_duplicates` on the first ``dup`` against the tree's
+        slots there (``cached``), :meth:`check_unowned` on the rest."""
+        self.check(s)
+        self.check_duplicates(s[:dup], cached)
+        self.check_unowned(s[dup:])
+
     @staticmethod
     def is_cached(head: np.ndarray, cached: list[torch.Tensor]) -> bool:
         """Whether ``head`` (the slots at the positions the tree already caches on the device, which

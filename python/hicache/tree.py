@@ -51,6 +51,11 @@ class TreeNode:
         """Has a host copy (complete unless the node is locked by its backup)."""
         return self.host_value is not None
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the edge (as :attr:`CompiledNode.num_tokens <hicache.tree_core.CompiledNode.num_tokens>`)."""
+        return len(self.key)
+
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.id}, tokens={len(self.key)}, device={self.value is not None}, "
