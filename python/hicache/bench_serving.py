@@ -89,14 +89,13 @@ def longqa(args: argparse.Namespace, r: random.Random) -> tuple[list[Request], A
     return reqs, lambda req, answers: req.prompt
 
 
-def working_set(reqs: list[Request], prompt_of, output_len: int) -> int:
-    """Tokens of KV the whole stream would keep: every distinct prefix's pages, approximately the
-    longest prompt of each client plus its answers (the system prompt or document once)."""
+def longest_per_client(reqs: list[Request], prompt_of, output_len: int) -> dict[int, int]:
+    """Each client's longest request in tokens (prompt and answer), answers standing in as zeros."""
     answers = {(q.client, q.round): [0] * output_len for q in reqs}
     longest: dict[int, int] = {}
     for q in reqs:
         longest[q.client] = max(longest.get(q.client, 0), len(prompt_of(q, answers)) + output_len)
-    return sum(longest.values())
+    return longest
 
 
 def pctl(xs: list[float], p: float) -> float:
@@ -280,12 +279,15 @@ def main(argv: list[str] | None = None) -> int:
                       head_dim=a.head_dim, ffn=2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
                       dtype=getattr(torch, a.dtype))  # fmt: skip
     model = TinyLM(cfg, a.device)
-    if a.workload == "longqa":  # the document once, then each question and its answer
+    per_client = longest_per_client(reqs, prompt_of, a.output_len)
+    longest = max(per_client.values())
+    # The working set: KV the whole stream would keep. Multi-turn: each client's longest request (the
+    # shared system prompt counted per client); long-context QA: the document once, then each question
+    # and its answer.
+    if a.workload == "longqa":
         ws = a.doc_len + a.questions * (a.turn_len + a.output_len)
     else:
-        ws = working_set(reqs, prompt_of, a.output_len)
-    longest = max(len(prompt_of(q, {(c, k): [0] * a.output_len for c in range(a.clients) for k in range(a.rounds)}))
-                  for q in reqs) + a.output_len  # fmt: skip
+        ws = sum(per_client.values())
     ps = a.page_size
     # Room for a whole batch of the largest requests, and one more.
     slots = max(int(ws * a.device_fraction), (a.max_parallel + 1) * longest)
