@@ -32,7 +32,11 @@ from hicache_kernels import layouts
 
 CASES = [(lay, False) for lay in layouts.LAYOUTS] + [(lay, True) for lay in layouts.MLA_LAYOUTS]
 TIMEOUT_S = 1.0  # the backend's per-call bound in the fault tests
-SLACK_S = 1.5  # what a bounded call may take beyond it on a slow machine
+SLACK_S = 1.5  # what closing may take beyond setup_timeout_s on a slow machine
+# A hang detector, not a speed limit (CI runs on a busy machine): without the backend's bound, one call to
+# a frozen master waits ~30 s in the client, and six calls to a killed one ~26 s; with it, a round of six
+# calls is one timeout_s and instant misses. Whether the bound acted is read from the backend's counters.
+HANG_S = 15.0
 LOGGER = "hicache.storage.mooncake"
 
 
@@ -398,7 +402,7 @@ def test_master_frozen_killed_and_restarted(master_binary, tmp_path, caplog):
         # Frozen: the client's RPCs would wait ~30 s; the backend gives up after timeout_s.
         m.signal(signal.SIGSTOP)
         for _ in range(3):
-            assert _all_misses(be, keys, src, dst) < TIMEOUT_S + SLACK_S
+            assert _all_misses(be, keys, src, dst) < HANG_S
         assert be.stats()["master_up"] == 0 and be.stats()["timeouts"] >= 1 and len(outages()) == 1
         m.signal(signal.SIGCONT)
         _wait_until_it_works(be, keys_for(2, "fault-thawed"), src, dst, host)  # late calls may remove `keys`
@@ -407,10 +411,12 @@ def test_master_frozen_killed_and_restarted(master_binary, tmp_path, caplog):
         # Killed: misses again, one more warning however many calls.
         m.stop()
         for _ in range(3):
-            assert _all_misses(be, keys, src, dst) < TIMEOUT_S + SLACK_S
+            assert _all_misses(be, keys, src, dst) < HANG_S
         assert len(outages()) == 2 and be.stats()["outages"] == 2
-        time.sleep(1.0)  # a while down: calls stay instant misses
-        assert _all_misses(be, keys, src, dst) < 0.5
+        time.sleep(1.0)  # a while down: calls stay instant misses (none waits out its bound)
+        timeouts = be.stats()["timeouts"]
+        assert _all_misses(be, keys, src, dst) < HANG_S
+        assert be.stats()["timeouts"] == timeouts
 
         # Restarted on the same ports: the same client works again (no new client needed).
         m.start()
