@@ -2,11 +2,14 @@
 hierarchical cache (device + host) and the hierarchical cache with a storage tier, on :mod:`hicache.engine`.
 
 Workloads: ``multiturn`` (clients with a shared system prompt, several rounds each; a round's prompt is
-the whole history plus a new question) and ``longqa`` (one long document, many questions). Requests
-arrive as a Poisson process at ``--rate`` per second (0: all at once) and are served one at a time,
-in arrival order, up to ``--max-parallel`` of one round at a time as one batch; a request's time to
-first token (TTFT) counts from its arrival, so waiting behind slower requests counts too (the service
-times are measured, the queue is simulated).
+the whole history plus a new question) and ``longqa`` (one long document, many questions). Turns are
+scheduled as a Poisson process at ``--rate`` per second (0: all at once); a client sends its next turn
+at its scheduled time or, if later, as soon as it has the answer to the previous one (closed loop).
+The clients keep at most ``--max-parallel`` requests in flight. The engine serves them with
+continuous batching (:meth:`hicache.engine.Engine.serve`: up to ``--max-running`` requests in the
+running batch, each step one forward over the new prefills and a decode token of every running
+request), in real time: a request's time to first token (TTFT) counts from when it was sent, so
+waiting for admission on the server (a full device pool, a full batch) counts too.
 
 Modes: ``recompute`` (no cache), ``device`` (radix cache on the device pool only: nothing is ever
 backed up, eviction deletes), ``hierarchical`` (write-through to the host pool, host hits loaded back
@@ -15,9 +18,10 @@ layer by layer), ``storage`` (hierarchical, plus a file-backed storage tier belo
 and come back by prefetch). The device pool holds
 ``--device-fraction`` of the working set (default a quarter).
 
-Reports per mode: TTFT p50/p90/p99 (and p50 per round), throughput (generated tokens per second of
-the whole run), prompt tokens per tier (device hit, host hit, from storage, computed), tokens loaded
-back and their GB/s, time the forward waited for layer loads. ``--json``, ``--plot PATH.png``.
+Reports per mode: TTFT p50/p90/p99 (and p50 per round), the time waited for admission (p50),
+throughput (generated tokens per second from the first arrival to the last answer), prompt tokens
+per tier (device hit, host hit, from storage, computed), tokens loaded back and their GB/s, time the
+forward waited for layer loads. ``--json``, ``--plot PATH.png``.
 
 Run ``python -m hicache.bench_serving --quick`` (under two minutes on 2 CPU cores); ``--help``.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import json
 import platform
 import random
@@ -38,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .engine import Engine, ModelConfig, TinyLM
+from .engine import Engine, GenerationResult, ModelConfig, Request, TinyLM
 from .pools import HostKVPool
 from .radix_cache import HiRadixCache
 from .storage import FileBackend
@@ -48,52 +53,99 @@ MODES = ("recompute", "device", "hierarchical", "storage")
 
 
 @dataclasses.dataclass
-class Request:
-    arrival: float
+class Turn:
+    """One request of the workload: ``client``'s ``round``-th turn, scheduled at ``at`` seconds."""
+
+    at: float
     round: int
     client: int
-    prompt: list[int] | None  # None: built when served (multi-turn prompts include earlier answers)
+    prompt: list[int] | None  # None: built when sent (multi-turn prompts include earlier answers)
     new_tokens: int
 
 
-def multiturn(args: argparse.Namespace, r: random.Random) -> tuple[list[Request], Any]:
-    """Requests and a ``prompt_of(request, answers)`` that builds a round's prompt from the history."""
+def multiturn(args: argparse.Namespace, r: random.Random) -> tuple[list[Turn], Any]:
+    """Turns and a ``prompt_of(turn, answers)`` that builds a round's prompt from the history."""
     system = [r.randrange(args.vocab) for _ in range(args.system_len)]
     questions = {(c, k): [r.randrange(args.vocab) for _ in range(args.turn_len)]
                  for c in range(args.clients) for k in range(args.rounds)}  # fmt: skip
-    reqs, t = [], 0.0
+    turns, t = [], 0.0
     for k in range(args.rounds):
         order = list(range(args.clients))
         r.shuffle(order)
         for c in order:
             t += r.expovariate(args.rate) if args.rate > 0 else 0.0
-            reqs.append(Request(t, k, c, None, args.output_len))
+            turns.append(Turn(t, k, c, None, args.output_len))
 
-    def prompt_of(req: Request, answers: dict) -> list[int]:
+    def prompt_of(turn: Turn, answers: dict) -> list[int]:
         out = list(system)
-        for k in range(req.round + 1):
-            out += questions[(req.client, k)]
-            if k < req.round:
-                out += answers[(req.client, k)]
+        for k in range(turn.round + 1):
+            out += questions[(turn.client, k)]
+            if k < turn.round:
+                out += answers[(turn.client, k)]
         return out
 
-    return reqs, prompt_of
+    return turns, prompt_of
 
 
-def longqa(args: argparse.Namespace, r: random.Random) -> tuple[list[Request], Any]:
+def longqa(args: argparse.Namespace, r: random.Random) -> tuple[list[Turn], Any]:
     doc = [r.randrange(args.vocab) for _ in range(args.doc_len)]
-    reqs, t = [], 0.0
+    turns, t = [], 0.0
     for i in range(args.questions):
         t += r.expovariate(args.rate) if args.rate > 0 else 0.0
-        reqs.append(Request(t, 0, i, doc + [r.randrange(args.vocab) for _ in range(args.turn_len)], args.output_len))
-    return reqs, lambda req, answers: req.prompt
+        turns.append(Turn(t, 0, i, doc + [r.randrange(args.vocab) for _ in range(args.turn_len)], args.output_len))
+    return turns, lambda turn, answers: turn.prompt
 
 
-def longest_per_client(reqs: list[Request], prompt_of, output_len: int) -> dict[int, int]:
+class Clients:
+    """The workload as a :class:`~hicache.engine.RequestSource`, sent the way a multi-turn benchmark
+    client sends it: each client sends its turns in order, a turn at its scheduled time or, if later,
+    as soon as the client has the answer to its previous turn (closed loop: a conversation's next
+    prompt contains that answer), and never more than ``max_parallel`` requests are in flight (a turn
+    waits on the client side for one to finish). A request's arrival is when it is sent."""
+
+    def __init__(self, turns: list[Turn], prompt_of, max_parallel: int) -> None:
+        self.prompt_of = prompt_of
+        self.answers: dict[tuple[int, int], list[int]] = {}
+        self._later: dict[int, list[Turn]] = {}  # per client, its turns not yet ready, in order
+        for t in sorted(turns, key=lambda t: (t.client, t.round)):
+            self._later.setdefault(t.client, []).append(t)
+        self._ready: list[tuple[float, Turn]] = [(q[0].at, q.pop(0)) for q in self._later.values()]
+        self._free = [0.0] * max_parallel  # when each free in-flight place became free (a heap)
+        self._left = len(turns)
+
+    def poll(self, now: float) -> list[Request]:
+        out = []
+        self._ready.sort(key=lambda x: (x[0], x[1].client))
+        while self._free and self._ready and self._ready[0][0] <= now:
+            ready, turn = self._ready.pop(0)
+            at = max(ready, heapq.heappop(self._free))
+            out.append(Request(self.prompt_of(turn, self.answers), turn.new_tokens, at, (turn.client, turn.round)))
+        self._left -= len(out)
+        return out
+
+    def next_arrival(self) -> float | None:
+        if not self._free:
+            return None  # the next one is sent when a request in flight finishes
+        return min((at for at, _ in self._ready), default=None)
+
+    def exhausted(self) -> bool:
+        return self._left == 0
+
+    def finished(self, result: GenerationResult) -> None:
+        done = result.arrival_s + result.total_s
+        heapq.heappush(self._free, done)
+        self.answers[result.rid] = result.tokens
+        later = self._later.get(result.rid[0])
+        if later:
+            turn = later.pop(0)
+            self._ready.append((max(turn.at, done), turn))
+
+
+def longest_per_client(turns: list[Turn], prompt_of, output_len: int) -> dict[int, int]:
     """Each client's longest request in tokens (prompt and answer), answers standing in as zeros."""
-    answers = {(q.client, q.round): [0] * output_len for q in reqs}
+    answers = {(q.client, q.round): [0] * output_len for q in turns}
     longest: dict[int, int] = {}
-    for q in reqs:
+    for q in turns:
         longest[q.client] = max(longest.get(q.client, 0), len(prompt_of(q, answers)) + output_len)
     return longest
 
@@ -105,7 +157,20 @@ def pctl(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, reqs: list[Request], prompt_of, slots: int,
+class _Progress(Clients):
+    """:class:`Clients` that prints ``mode: done/total`` on stderr as requests finish."""
+
+    def __init__(self, turns: list[Turn], prompt_of, max_parallel: int, mode: str) -> None:
+        super().__init__(turns, prompt_of, max_parallel)
+        self.mode, self.total, self.done = mode, len(turns), 0
+
+    def finished(self, result: GenerationResult) -> None:
+        super().finished(result)
+        self.done += 1
+        print(f"\r{self.mode:>12}: {self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+
+
+def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Turn], prompt_of, slots: int,
              store: Path) -> dict[str, Any]:  # fmt: skip
     cfg = model.cfg
     pool = cfg.pool(slots, args.page_size, args.device)
@@ -125,33 +190,14 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, reqs: list[Requ
                       prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=args.page_size))  # fmt: skip
         cache = HiRadixCache(pool, host, **kw)
     engine = Engine(model, pool, cache)
-    answers: dict = {}
-    rows = []
-    clock = 0.0  # the simulated server: busy until clock
+    if args.progress:
+        source = _Progress(turns, prompt_of, args.max_parallel, mode)
+    else:
+        source = Clients(turns, prompt_of, args.max_parallel)
     t_start = time.perf_counter()
     try:
-        i = 0
-        while i < len(reqs):
-            # The next request, and those of the same round that arrived by the time the server is free,
-            # up to --max-parallel: one batch (a round's prompts need the previous round's answers).
-            begin = max(clock, reqs[i].arrival)
-            j = i + 1
-            while (j < len(reqs) and j - i < args.max_parallel and reqs[j].arrival <= begin
-                   and reqs[j].round == reqs[i].round):  # fmt: skip
-                j += 1
-            batch = reqs[i:j]
-            prompts = [prompt_of(q, answers) for q in batch]
-            results = engine.generate_batch(prompts, batch[0].new_tokens)
-            clock = begin + results[0].total_s
-            for q, prompt, res in zip(batch, prompts, results, strict=True):
-                answers[(q.client, q.round)] = res.tokens
-                rows.append({"round": q.round, "prompt": len(prompt), "ttft_s": begin - q.arrival + res.ttft_s,
-                             "service_s": res.total_s, "device_hit": res.device_hit, "host_hit": res.host_hit,
-                             "computed": res.computed, "load_wait_s": res.load_wait_s,
-                             "batch": len(batch)})  # fmt: skip
-            i = j
-            if args.progress:
-                print(f"\r{mode:>12}: {i}/{len(reqs)}", end="", file=sys.stderr, flush=True)
+        results = engine.serve(source, max_running=args.max_running or args.max_parallel,
+                               max_prefill_tokens=args.max_prefill_tokens)  # fmt: skip
         if cache is not None:
             cache.flush()
             cache.verify()
@@ -161,8 +207,13 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, reqs: list[Requ
     if args.progress:
         print(file=sys.stderr)
     wall = time.perf_counter() - t_start
+    rows = [{"client": r.rid[0], "round": r.rid[1], "arrival_s": r.arrival_s, "prompt": r.device_hit + r.host_hit
+             + r.computed, "ttft_s": r.ttft_s, "queued_s": r.queued_s, "total_s": r.total_s,
+             "device_hit": r.device_hit, "host_hit": r.host_hit, "computed": r.computed,
+             "load_wait_s": r.load_wait_s, "batch": r.extra["batch"]} for r in results]  # fmt: skip
     ttft = [r["ttft_s"] for r in rows]
     prompt_tokens = sum(r["prompt"] for r in rows)
+    span = max(r.arrival_s + r.total_s for r in results)
     m = cache.metrics if cache is not None else None
     storage_tokens = m.storage_hit_tokens if m is not None else 0
     by_round = {}
@@ -175,7 +226,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, reqs: list[Requ
         "ttft_p90_s": pctl(ttft, 90),
         "ttft_p99_s": pctl(ttft, 99),
         "ttft_p50_by_round_s": by_round,
-        "throughput_tokens_per_s": sum(q.new_tokens for q in reqs) / max(clock, 1e-9),
+        "queued_p50_s": pctl([r["queued_s"] for r in rows], 50),
+        "throughput_tokens_per_s": sum(len(r.tokens) for r in results) / max(span, 1e-9),
         "wall_s": wall,
         "prompt_tokens": prompt_tokens,
         "device_hit_tokens": sum(r["device_hit"] for r in rows),
@@ -231,8 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-len", type=int, default=512, help="longqa: the document's tokens")
     p.add_argument("--questions", type=int, default=16, help="longqa: questions over the document")
     p.add_argument("--rate", type=float, default=0.0, help="requests per second, Poisson (0: all at once)")
-    p.add_argument("--max-parallel", type=int, default=1,
-                   help="requests of one round served together (one prefill, one decode step each)")  # fmt: skip
+    p.add_argument("--max-parallel", type=int, default=4,
+                   help="the most requests in flight (a client's turn waits for one to finish)")  # fmt: skip
+    p.add_argument("--max-running", type=int, default=None,
+                   help="the server's running batch: the most requests prefilled and decoded together "
+                        "(default: --max-parallel)")  # fmt: skip
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="the most prompt tokens prefilled in one step (default: no limit)")  # fmt: skip
     p.add_argument("--device-fraction", type=float, default=0.25, help="device pool / working set")
     p.add_argument("--host-ratio", type=float, default=4.0, help="host pool / device pool")
     p.add_argument("--storage-host-ratio", type=float, default=2.0, help="host pool / device pool, storage mode")
@@ -268,18 +325,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device-fraction: expected in (0, 1]")
     if a.threads < 1:
         p.error("--threads: expected >= 1")
+    if a.max_running is not None and a.max_running < 1:
+        p.error("--max-running: expected >= 1")
+    if a.max_prefill_tokens is not None and a.max_prefill_tokens < 1:
+        p.error("--max-prefill-tokens: expected >= 1")
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         print(f"bench_serving: --device {a.device}: no CUDA device is visible here (torch {torch.__version__}); "
               "nothing measured", file=sys.stderr)  # fmt: skip
         return 2
     torch.set_num_threads(a.threads)
     r = random.Random(a.seed)
-    reqs, prompt_of = (multiturn if a.workload == "multiturn" else longqa)(a, r)
+    turns, prompt_of = (multiturn if a.workload == "multiturn" else longqa)(a, r)
     cfg = ModelConfig(num_layers=a.layers, hidden=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads,
                       head_dim=a.head_dim, ffn=2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
                       dtype=getattr(torch, a.dtype))  # fmt: skip
     model = TinyLM(cfg, a.device)
-    per_client = longest_per_client(reqs, prompt_of, a.output_len)
+    per_client = longest_per_client(turns, prompt_of, a.output_len)
     longest = max(per_client.values())
     # The working set: KV the whole stream would keep. Multi-turn: each client's longest request (the
     # shared system prompt counted per client); long-context QA: the document once, then each question
@@ -289,14 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ws = sum(per_client.values())
     ps = a.page_size
-    # Room for a whole batch of the largest requests, and one more.
-    slots = max(int(ws * a.device_fraction), (a.max_parallel + 1) * longest)
+    # At least room for two of the largest requests (fewer run at once when the pool is full: they wait).
+    slots = max(int(ws * a.device_fraction), 2 * longest)
     slots = -(-slots // ps) * ps
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in a.modes:
-            results.append(run_mode(mode, a, model, reqs, prompt_of, slots, Path(tmp) / "store"))
-    print(f"{a.workload}: {len(reqs)} requests, working set ~{ws} tokens, device pool {slots} slots "
+            results.append(run_mode(mode, a, model, turns, prompt_of, slots, Path(tmp) / "store"))
+    print(f"{a.workload}: {len(turns)} requests, working set ~{ws} tokens, device pool {slots} slots "
           f"({slots / ws:.2f} of it), page {ps}, {cfg.num_layers} layers")  # fmt: skip
     for x in results:
         print(f"{x['mode']:>12}: TTFT p50 {1e3 * x['ttft_p50_s']:8.2f} ms  p90 {1e3 * x['ttft_p90_s']:8.2f}  "

@@ -29,13 +29,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from .pools import DeviceKVPool
 from .radix_cache import HiRadixCache
 
-__all__ = ["Engine", "GenerationResult", "ModelConfig", "TinyLM"]
+__all__ = ["Engine", "FixedArrivals", "GenerationResult", "ModelConfig", "Request", "RequestSource", "TinyLM"]
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,12 @@ class TinyLM:
         pool: DeviceKVPool,
         seqs: list[tuple[list[int], int, torch.Tensor]],
         wait_layer: Callable[[int], None] | None = None,
+        last_only: bool = False,
     ) -> list[torch.Tensor]:
         """:meth:`forward` for several sequences at once, ``(tokens, start, slots)`` each: the rows of all
-        of them go through each projection together; attention stays within each sequence."""
+        of them go through each projection together; attention stays within each sequence (a prefill
+        and the decode steps of other requests can share one call). ``last_only``: the logits of each
+        sequence's last token only (``[1, vocab]`` each; the output projection skips the other rows)."""
         cfg = self.cfg
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
@@ -188,6 +192,9 @@ class TinyLM:
             out = torch.cat(outs)
             x = x + mm(out.reshape(n, -1), layer["wo"])
             x = x + mm(torch.nn.functional.gelu(mm(_rmsnorm(x), layer["w1"])), layer["w2"])
+        if last_only:
+            ends = torch.tensor(lens, device=self.device).cumsum(0) - 1
+            return list(mm(_rmsnorm(x[ends]), self.head).split(1))
         logits = mm(_rmsnorm(x), self.head)
         return list(logits.split(lens))
 
@@ -214,22 +221,119 @@ class TinyLM:
 
 
 @dataclass
+class Request:
+    """One request: greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
+
+    ``arrival`` is in seconds on the serving loop's clock (0: when :meth:`Engine.serve` starts); ``rid``
+    is the caller's name for it (any object), handed back in its :class:`GenerationResult`.
+    """
+
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float = 0.0
+    rid: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {self.max_new_tokens!r}")
+        if not self.prompt:
+            raise ValueError("prompt: expected at least one token in each prompt")
+        if not math.isfinite(self.arrival) or self.arrival < 0:
+            raise ValueError(f"arrival: expected seconds >= 0, got {self.arrival!r}")
+
+
+class RequestSource(Protocol):
+    """Where :meth:`Engine.serve` gets its requests from, as they arrive.
+
+    ``poll(now)`` returns the requests that have arrived by ``now`` (seconds on the loop's clock), each
+    once; ``next_arrival()`` when the next known one arrives (None: none is known yet, e.g. a
+    conversation's next turn waits for this one's answer); ``exhausted()`` whether no more will come;
+    ``finished(result)`` is told each request's result as soon as it is done (a closed-loop client
+    sends its next turn then).
+    """
+
+    def poll(self, now: float) -> list[Request]: ...
+
+    def next_arrival(self) -> float | None: ...
+
+    def exhausted(self) -> bool: ...
+
+    def finished(self, result: GenerationResult) -> None: ...
+
+
+class FixedArrivals:
+    """A :class:`RequestSource` of requests known up front (open loop: arrivals do not depend on answers)."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self._pending = sorted(requests, key=lambda r: r.arrival)
+        self._next = 0
+
+    def poll(self, now: float) -> list[Request]:
+        start = self._next
+        while self._next < len(self._pending) and self._pending[self._next].arrival <= now:
+            self._next += 1
+        return self._pending[start : self._next]
+
+    def next_arrival(self) -> float | None:
+        return self._pending[self._next].arrival if self._next < len(self._pending) else None
+
+    def exhausted(self) -> bool:
+        return self._next == len(self._pending)
+
+    def finished(self, result: GenerationResult) -> None:
+        pass
+
+
+@dataclass
 class GenerationResult:
-    """One request served: the generated tokens, their logits, and where its prefix came from."""
+    """One request served: the generated tokens, their logits, its times and where its prefix came from.
+
+    Times are seconds from the request's arrival (:meth:`Engine.generate_batch`: from the call).
+    """
 
     tokens: list[int]
     logits: torch.Tensor  # [len(tokens), vocab]: row i produced tokens[i]
-    ttft_s: float  # arrival (the call) to the first token
-    total_s: float
+    ttft_s: float  # arrival to the first token (waiting for admission included)
+    total_s: float  # arrival to the last token
+    rid: Any = None
+    arrival_s: float = 0.0  # the request's arrival on the serving loop's clock
+    queued_s: float = 0.0  # arrival to admission (waiting for the pool, for --max-running, for a prefetch)
     device_hit: int = 0  # prompt tokens found on the device
     host_hit: int = 0  # prompt tokens loaded back from the host
     computed: int = 0  # prompt tokens prefilled
-    load_wait_s: float = 0.0  # time the forward waited for layer loads
+    load_wait_s: float = 0.0  # time the forward of its prefill step waited for layer loads
     extra: dict = field(default_factory=dict)
+
+
+class _Running:
+    """A request admitted to the running batch: its slots, locks and output so far."""
+
+    __slots__ = ("admitted", "device_hit", "fed", "first", "host_hit", "load_wait", "locked", "out", "prefix",
+                 "req", "rows", "slots", "step_size")  # fmt: skip
+
+    def __init__(self, req: Request, fed: int) -> None:
+        self.req = req
+        self.fed = fed  # tokens whose KV is written: the prompt and every new token but the last
+        self.prefix = 0  # prompt tokens whose KV was cached (device hit + host hit)
+        self.device_hit = self.host_hit = 0
+        self.locked: list = []
+        self.slots: torch.Tensor | None = None
+        self.out: list[int] = []
+        self.rows: list[torch.Tensor] = []
+        self.admitted = self.first = 0.0
+        self.load_wait = 0.0
+        self.step_size = 0
 
 
 class Engine:
     """Serves requests with :class:`TinyLM` over ``cache`` (None: recompute every prompt).
+
+    :meth:`serve` is the serving loop (continuous batching): each step admits arrived requests while
+    the device pool, ``max_running`` and the step's prefill budget allow (matching each, loading its
+    host hit back, prefetching from storage first when there is a tier), then runs ONE forward over
+    the new requests' prefills and one decode token of every running request; a request that has all
+    its tokens is inserted into the tree and leaves the batch at once. :meth:`generate` and
+    :meth:`generate_batch` serve requests given now, through the same loop.
 
     Parameters
     ----------
@@ -248,70 +352,208 @@ class Engine:
         self.model = model
         self.pool = pool
         self.cache = cache
-        self._requests = 0
+        self._requests = 0  # storage prefetch ids
 
-    def _alloc(self, n: int) -> torch.Tensor:
-        slots = self.pool.alloc(n)
-        if slots is None and self.cache is not None:
-            self.cache.evict(n - self.pool.available_size())
-            slots = self.pool.alloc(n)
-            if slots is None:  # nodes still locked by their backups in flight: let those land, evict again
-                self.cache.flush()
-                self.cache.evict(n - self.pool.available_size())
-                slots = self.pool.alloc(n)
-        if slots is None:
-            raise MemoryError(f"device pool: {n} slots needed, {self.pool.available_size()} free after eviction")
-        return slots
+    # ------------------------------------------------------------------ one request in and out
+    def _room(self, n: int) -> bool:
+        """Make ``n`` device slots free if eviction can (unlocked tree nodes); whether they are."""
+        free = self.pool.available_size()
+        if free < n and self.cache is not None:
+            self.cache.evict(n - free)
+            free = self.pool.available_size()
+        return free >= n
 
-    def generate(self, prompt: list[int], max_new_tokens: int) -> GenerationResult:
-        """Serve one request: greedy decoding of ``max_new_tokens`` tokens after ``prompt``."""
-        return self.generate_batch([prompt], max_new_tokens)[0]
-
-    def _prepare(self, prompt: list[int], loads: list) -> dict:
-        """Match (and prefetch from storage, load back from the host) one request's prefix, locked."""
+    def _admit(self, req: Request, budget: int | None) -> _Running | None:
+        """Match ``req``'s prefix, lock it, load its host part back and give it every slot it will write;
+        None (nothing held) when the device pool cannot make room for it now, or when it would prefill
+        more than ``budget`` tokens (None: no limit)."""
+        ps = self.pool.page_size
+        run = _Running(req, len(req.prompt) + req.max_new_tokens - 1)  # the last new token is never fed back
+        need = -(-run.fed // ps) * ps
         cache = self.cache
-        req = {"prompt": prompt, "prefix": torch.empty(0, dtype=torch.int64), "locked": [], "device_hit": 0,
-               "host_hit": 0}  # fmt: skip
         if cache is None:
-            return req
-        # At most the prompt minus one token: the last one is always computed (its logits give the
-        # first new token).
-        m = cache.match_prefix(prompt[:-1])
-        self._requests += 1
-        if cache.storage is not None and cache.prefetch_from_storage(self._requests, m.last_host_node, prompt[:-1]):
-            while not cache.check_prefetch_progress(self._requests):  # admitted by the policy
-                time.sleep(0.0002)
-            m = cache.match_prefix(prompt[:-1])  # what the store brought is now a host hit
-        req["prefix"], req["device_hit"] = m.device_indices, len(m.device_indices)
+            if (budget is not None and len(req.prompt) > budget) or not self._room(need):
+                return None
+            run.slots = self.pool.alloc(need)
+            return run
+        # At most the prompt minus one token: the last one is always computed (its logits give the first
+        # new token).
+        m = cache.match_prefix(req.prompt[:-1])
+        if budget is not None and len(req.prompt) - len(m.device_indices) - m.host_hit_length > budget:
+            return None
         cache.inc_lock_ref(m.last_device_node)
-        req["locked"].append(m.last_device_node)
+        run.locked.append(m.last_device_node)
+        prefix = m.device_indices
+        # Room for everything past the device hit (a host hit loads into it, the rest is computed into
+        # it), made before anything is loaded: a request that cannot fit changes nothing but evictions.
+        if not self._room(need - len(prefix)):
+            cache.dec_lock_ref(m.last_device_node)
+            return None
+        run.device_hit = len(prefix)
         if m.host_hit_length:
             cache.inc_lock_ref(m.last_host_node)
-            req["locked"].append(m.last_host_node)
-            loaded = cache.load_back(m.last_host_node)
+            run.locked.append(m.last_host_node)
+            loaded = cache.load_back(m.last_host_node)  # queued; started by the step's start_loading
             if loaded is not None:
-                req["prefix"] = torch.cat([req["prefix"], loaded])
-                req["host_hit"] = len(loaded)
-                loads.append(loaded)
-        return req
+                prefix = torch.cat([prefix, loaded])
+                run.host_hit = len(loaded)
+        run.prefix = len(prefix)
+        rest = self.pool.alloc(need - run.prefix)
+        if rest is None:  # cannot happen single-threaded (room was made above); never silently
+            raise RuntimeError(f"device pool: {need - run.prefix} slots made free, then not allocatable")
+        run.slots = torch.cat([prefix, rest])
+        return run
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[GenerationResult]:
-        """Serve several requests together: their prefixes matched (and loaded back in one layer-by-layer
-        batch), their prompts prefilled in one forward, then decoded a token each per step. Requests of
-        one batch do not share what they compute (each is matched before any is inserted)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("prompt: expected at least one token in each prompt")
-        t0 = time.perf_counter()
-        ps = self.pool.page_size
+    def _release(self, run: _Running) -> None:
+        """A finished request: its sequence goes into the tree (whole pages), the rest of its slots and
+        its locks are released."""
+        slots, ps = run.slots, self.pool.page_size
+        if self.cache is None:
+            self.pool.free(slots)
+            return
+        key_len = run.fed - run.fed % ps
+        dup = self.cache.insert((run.req.prompt + run.out)[:key_len], slots[:key_len])
+        if dup > run.prefix:  # another request cached part of ours meanwhile: our copies go
+            self.pool.free(slots[run.prefix : dup])
+        if key_len < len(slots):
+            self.pool.free(slots[key_len:])
+        for node in run.locked:
+            self.cache.dec_lock_ref(node)
+
+    def _unwind(self, runs: list[_Running]) -> None:
+        """Give back what admitted requests hold (a failed step): slots not in the tree, and locks."""
+        for run in runs:
+            if run.slots is not None:
+                self.pool.free(run.slots[run.prefix :])
+            for node in run.locked:
+                self.cache.dec_lock_ref(node)
+            run.locked, run.slots = [], None
+
+    # ------------------------------------------------------------------ the serving loop
+    def serve(
+        self,
+        source: RequestSource | list[Request],
+        *,
+        max_running: int = 8,
+        max_prefill_tokens: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        idle: Callable[[float], None] = time.sleep,
+    ) -> list[GenerationResult]:
+        """Serve every request of ``source`` (a :class:`RequestSource`, or a list of :class:`Request`
+        arriving at their ``arrival`` times) with continuous batching; results in finishing order.
+
+        Parameters
+        ----------
+        max_running : the most requests in the running batch at once.
+        max_prefill_tokens : the most prompt tokens prefilled in one step (None: no limit); a request
+            larger than it is still admitted, alone, into a step with no other prefill.
+        clock, idle : the loop's time (seconds) and how it waits for the next arrival (``idle(s)``).
+
+        Requests wait, first come first served, while the device pool cannot hold their slots (a
+        request whose storage prefetch is still running lets later ones pass). Raises
+        :class:`MemoryError` (after giving back what it holds) when a request cannot fit even with
+        nothing else running.
+        """
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running: expected an int >= 1, got {max_running!r}")
+        if max_prefill_tokens is not None and (
+            isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1
+        ):
+            raise ValueError(f"max_prefill_tokens: expected None or an int >= 1, got {max_prefill_tokens!r}")
+        if isinstance(source, list):
+            source = FixedArrivals(source)
         cache = self.cache
-        loads: list = []
-        reqs = [self._prepare(list(p), loads) for p in prompts]
+        storage = cache is not None and cache.storage is not None
+        t0 = clock()
+        waiting: list[Request] = []
+        prefetching: dict[int, Request] = {}  # prefetch id -> request, while its pages come from the store
+        running: list[_Running] = []
+        results: list[GenerationResult] = []
+        try:
+            while True:
+                now = clock() - t0
+                for req in source.poll(now):
+                    if storage and self._start_prefetch(req, prefetching):
+                        continue
+                    waiting.append(req)
+                for pid in [p for p in prefetching if cache.check_prefetch_progress(p)]:
+                    waiting.append(prefetching.pop(pid))
+                    waiting.sort(key=lambda r: r.arrival)
+                new = self._admit_some(waiting, running, max_running, max_prefill_tokens, now)
+                if not new and not running:
+                    if waiting:  # nothing runs and the head does not fit: let every copy land, try again
+                        if cache is not None:
+                            cache.flush()
+                        new = self._admit_some(waiting, running, max_running, max_prefill_tokens, now)
+                        if not new:
+                            req = waiting[0]
+                            raise MemoryError(
+                                f"device pool: request {req.rid!r} needs {len(req.prompt) + req.max_new_tokens - 1}"
+                                f" slots; {self.pool.available_size()} of {self.pool.size} free with nothing running"
+                            )
+                    elif prefetching:
+                        idle(0.0002)
+                        continue
+                    elif source.exhausted():
+                        break
+                    else:
+                        nxt = source.next_arrival()
+                        if nxt is None:
+                            raise RuntimeError("source: nothing running or waiting, not exhausted, and no next arrival")
+                        idle(max(0.0, nxt - (clock() - t0)))
+                        continue
+                self._step(new, running, clock, t0)
+                running += new
+                for run in [r for r in running if len(r.out) == r.req.max_new_tokens]:
+                    running.remove(run)
+                    self._release(run)
+                    res = self._result(run, clock() - t0)
+                    results.append(res)
+                    source.finished(res)
+                if cache is not None:
+                    cache.check_loads()
+                    cache.check_writes()
+        except BaseException:
+            if cache is None or not cache.closed:
+                self._unwind(running)
+            raise
+        return results
+
+    def _start_prefetch(self, req: Request, prefetching: dict[int, Request]) -> bool:
+        """Start fetching ``req``'s pages beyond its host hit from the store; whether it must wait."""
+        cache = self.cache
+        self._requests += 1
+        m = cache.match_prefix(req.prompt[:-1])
+        if cache.prefetch_from_storage(self._requests, m.last_host_node, req.prompt[:-1]):
+            prefetching[self._requests] = req
+            return True
+        return False
+
+    def _admit_some(
+        self, waiting: list[Request], running: list[_Running], max_running: int, budget: int | None, now: float
+    ) -> list[_Running]:
+        """Admit waiting requests in order while they fit (stops at the first that does not)."""
+        new: list[_Running] = []
+        prefill = 0
+        while waiting and len(running) + len(new) < max_running:
+            req = waiting[0]
+            # The budget binds from the second request of a step on: a larger one still goes in alone.
+            run = self._admit(req, None if budget is None or not new else budget - prefill)
+            if run is None:
+                break
+            waiting.pop(0)
+            run.admitted = now
+            prefill += len(req.prompt) - run.prefix
+            new.append(run)
+        return new
+
+    def _step(self, new: list[_Running], running: list[_Running], clock: Callable[[], float], t0: float) -> None:
+        """One forward: the new requests' prefills and one decode token of each running request."""
+        cache = self.cache
         wait = None
         waited = [0.0]
-        if loads:
-            generation = cache.start_loading()  # one layer-by-layer batch for every request's load-back
+        if any(r.host_hit for r in new):
+            generation = cache.start_loading()  # one layer-by-layer batch for the step's load-backs
             counter = cache.controller.layer_counter
 
             def wait(layer: int) -> None:
@@ -319,55 +561,50 @@ class Engine:
                 counter.wait_until(layer, generation=generation)
                 waited[0] += time.perf_counter() - w0
 
-        fed = [len(r["prompt"]) + max_new_tokens - 1 for r in reqs]  # the last new token is never fed back
+        seqs = [(r.req.prompt[r.prefix :], r.prefix, r.slots) for r in new]
+        seqs += [([r.out[-1]], len(r.req.prompt) + len(r.out) - 1, r.slots) for r in running]
         try:
-            for r, f in zip(reqs, fed, strict=True):
-                start = len(r["prefix"])
-                r["slots"] = torch.cat([r["prefix"], self._alloc(-(-f // ps) * ps - start)])
-        except MemoryError:
-            for r in reqs:
-                if "slots" in r:
-                    self.pool.free(r["slots"][len(r["prefix"]) :])
-                for node in r["locked"]:
-                    cache.dec_lock_ref(node)
+            logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True)
+        except BaseException:
+            self._unwind(new)
             raise
-        seqs = [(r["prompt"][len(r["prefix"]) :], len(r["prefix"]), r["slots"]) for r in reqs]
-        rows = [[lg[-1]] for lg in self.model.forward_batch(self.pool, seqs, wait)]
-        outs = [[int(x[0].argmax())] for x in rows]
-        ttft = time.perf_counter() - t0
-        for step in range(max_new_tokens - 1):
-            seqs = [([o[-1]], len(r["prompt"]) + step, r["slots"]) for r, o in zip(reqs, outs, strict=True)]
-            for x, o, lg in zip(rows, outs, self.model.forward_batch(self.pool, seqs), strict=True):
-                x.append(lg[-1])
-                o.append(int(lg[-1].argmax()))
-        for r, o, f in zip(reqs, outs, fed, strict=True):
-            slots, start = r["slots"], len(r["prefix"])
-            if cache is None:
-                self.pool.free(slots)
-                continue
-            key_len = f - f % ps
-            dup = cache.insert((r["prompt"] + o)[:key_len], slots[:key_len])
-            if dup > start:  # another request cached part of ours meanwhile: our copies go
-                self.pool.free(slots[start:dup])
-            if key_len < len(slots):
-                self.pool.free(slots[key_len:])
-            for node in r["locked"]:
-                cache.dec_lock_ref(node)
-        if cache is not None:
-            cache.check_loads()
-            cache.check_writes()
-        total = time.perf_counter() - t0
-        return [
-            GenerationResult(
-                tokens=o,
-                logits=torch.stack(x),
-                ttft_s=ttft,
-                total_s=total,
-                device_hit=r["device_hit"],
-                host_hit=r["host_hit"],
-                computed=len(r["prompt"]) - len(r["prefix"]),
-                load_wait_s=waited[0],
-                extra={"batch": len(reqs)},
-            )  # fmt: skip
-            for r, o, x in zip(reqs, outs, rows, strict=True)
-        ]
+        done = clock() - t0
+        for r, lg in zip(new + running, logits, strict=True):
+            r.rows.append(lg[0])
+            r.out.append(int(lg[0].argmax()))
+        for r in new:
+            r.first, r.load_wait, r.step_size = done, waited[0], len(new)
+
+    def _result(self, run: _Running, now: float) -> GenerationResult:
+        arrival = run.req.arrival
+        return GenerationResult(
+            tokens=run.out,
+            logits=torch.stack(run.rows),
+            ttft_s=run.first - arrival,
+            total_s=now - arrival,
+            rid=run.req.rid,
+            arrival_s=arrival,
+            queued_s=run.admitted - arrival,
+            device_hit=run.device_hit,
+            host_hit=run.host_hit,
+            computed=len(run.req.prompt) - run.prefix,
+            load_wait_s=run.load_wait,
+            extra={"batch": run.step_size},
+        )
+
+    # ------------------------------------------------------------------ requests given now
+    def generate(self, prompt: list[int], max_new_tokens: int) -> GenerationResult:
+        """Serve one request: greedy decoding of ``max_new_tokens`` tokens after ``prompt``."""
+        return self.generate_batch([prompt], max_new_tokens)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[GenerationResult]:
+        """Serve several requests together (all admitted at once when the pool holds them: one load-back
+        batch, one prefill, a decode step each; each is matched before any is inserted, so they share
+        nothing they compute). Results in the order of ``prompts``; times from the call."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens!r}")
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("prompt: expected at least one token in each prompt")
+        reqs = [Request(list(p), max_new_tokens, 0.0, i) for i, p in enumerate(prompts)]
+        out = self.serve(reqs, max_running=len(reqs))
+        return sorted(out, key=lambda r: r.rid)
