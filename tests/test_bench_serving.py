@@ -47,3 +47,46 @@ def test_bench_serving_batches(tmp_path):
     assert main(["--quick", "--max-parallel", "3", "--modes", "recompute", "hierarchical", "--json", str(out)]) == 0
     rows = {r["mode"]: r["rows"] for r in json.loads(out.read_text())["results"]}
     assert max(r["batch"] for r in rows["hierarchical"]) == 3
+
+
+@pytest.mark.parametrize("rate", [0.0, 4.0])
+def test_clients_send_closed_loop_within_max_parallel(monkeypatch, rate):
+    """The multi-turn clients: a turn is sent only after the answer to the client's previous one, with
+    that answer in its prompt, and never more than --max-parallel requests are in flight."""
+    import argparse
+    import random
+
+    from hicache.bench_serving import Clients, multiturn
+    from hicache.engine import Engine, ModelConfig, TinyLM
+
+    args = argparse.Namespace(vocab=64, system_len=6, turn_len=3, clients=5, rounds=3, rate=rate, output_len=2)
+    turns, prompt_of = multiturn(args, random.Random(0))
+    cfg = ModelConfig(num_layers=1, hidden=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn=16, vocab=64)
+    model = TinyLM(cfg)
+    t = [0.0]
+    real = model.forward_batch
+
+    def forward_batch(*a, **k):
+        t[0] += 0.25
+        return real(*a, **k)
+
+    monkeypatch.setattr(model, "forward_batch", forward_batch)
+    source = Clients(turns, prompt_of, max_parallel=2)
+    results = Engine(model, cfg.pool(256, 2)).serve(
+        source, max_running=4, clock=lambda: t[0], idle=lambda s: t.__setitem__(0, t[0] + s)
+    )
+    assert len(results) == len(turns) == 15
+    by = {r.rid: r for r in results}
+    sched = {(q.client, q.round): q.at for q in turns}
+    for (c, k), r in by.items():
+        assert r.arrival_s >= sched[(c, k)]
+        if k:
+            prev = by[(c, k - 1)]
+            assert r.arrival_s >= prev.arrival_s + prev.total_s  # closed loop
+            prompt = prompt_of(turns[0].__class__(0, k, c, None, 2), source.answers)
+            assert r.device_hit + r.host_hit + r.computed == len(prompt)
+            assert source.answers[(c, k - 1)] == prev.tokens
+    spans = [(r.arrival_s, r.arrival_s + r.total_s) for r in results]
+    for a, _ in spans:  # in flight at each send: the requests sent before and not finished by then
+        assert sum(1 for x, y in spans if x <= a < y) <= 2
+    assert max(sum(1 for x, y in spans if x <= a < y) for a, _ in spans) == 2

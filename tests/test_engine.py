@@ -220,3 +220,194 @@ def test_batches_equal_recompute(mla):
         cache.verify()
     with pytest.raises(ValueError, match="prompt: expected at least one token"):
         engine.generate_batch([[1, 2], []], 2)
+
+
+# ---------------------------------------------------------------------- the serving loop (Engine.serve)
+class FakeClock:
+    """The loop's clock: moves only when the loop idles or a forward runs (``step_s`` each)."""
+
+    def __init__(self, step_s: float = 1.0) -> None:
+        self.t = 0.0
+        self.step_s = step_s
+        self.forwards: list[list[int]] = []  # each forward's sequence lengths (new tokens per sequence)
+
+    def __call__(self) -> float:
+        return self.t
+
+    def idle(self, s: float) -> None:
+        assert s >= 0
+        self.t += s
+
+    def attach(self, model: TinyLM, monkeypatch) -> None:
+        real = model.forward_batch
+
+        def forward_batch(pool, seqs, *args, **kwargs):
+            self.forwards.append([len(t) for t, _, _ in seqs])
+            self.t += self.step_s
+            return real(pool, seqs, *args, **kwargs)
+
+        monkeypatch.setattr(model, "forward_batch", forward_batch)
+
+
+def check_against_recompute(model: TinyLM, reqs: list, results: list) -> None:
+    ref = Engine(model, model.cfg.pool(1024, PAGE))
+    by_rid = {r.rid: r for r in results}
+    assert sorted(by_rid) == sorted(q.rid for q in reqs)
+    for q in reqs:
+        want, got = ref.generate(q.prompt, q.max_new_tokens), by_rid[q.rid]
+        assert got.tokens == want.tokens, q.rid
+        assert torch.equal(got.logits, want.logits), q.rid
+
+
+def staggered_requests(seed: int = 1, n: int = 16, clients: int = 4):
+    """Conversations (a shared system prefix; each turn extends the client's previous prompt) of
+    different output lengths, the clients taking turns, arriving over time."""
+    from hicache.engine import Request
+
+    r = random.Random(seed)
+    system = [r.randrange(CFG.vocab) for _ in range(10)]
+    prompts: list[list[int]] = []
+    for i in range(n):
+        base = list(prompts[i - clients]) if i >= clients else list(system)
+        prompts.append(base + [r.randrange(CFG.vocab) for _ in range(r.randint(2, 9))])
+    return [Request(p, r.randint(1, 6), arrival=0.7 * i, rid=i) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_serve_continuous_batching_equals_recompute(monkeypatch, cached):
+    """Requests arriving over time with different output lengths: new prefills share forwards with the
+    decode steps of running requests, requests leave when done and wait when the pool or the batch is
+    full. Every result equals its recompute, bit for bit, and nothing leaks."""
+    model = TinyLM(CFG)
+    clock = FakeClock(step_s=0.5)
+    clock.attach(model, monkeypatch)
+    pool = CFG.pool(64, PAGE)  # a few requests at a time: the rest wait for room, the tree evicts to the host
+    reqs = staggered_requests()
+    if cached:
+        with make_cache(pool, threaded=False) as cache:
+            results = Engine(model, pool, cache).serve(reqs, max_running=3, clock=clock, idle=clock.idle)
+            cache.flush()
+            cache.verify()
+            assert cache.metrics.load_backs > 0 and sum(r.host_hit for r in results) > 0
+            assert sum(r.device_hit for r in results) > 0
+    else:
+        results = Engine(model, pool).serve(reqs, max_running=3, clock=clock, idle=clock.idle)
+        assert pool.available_size() == pool.size
+    check_against_recompute(model, reqs, results)
+    assert max(len(f) for f in clock.forwards) == 3  # max_running
+    mixed = [f for f in clock.forwards if 1 in f and any(x > 1 for x in f)]
+    assert mixed, "no forward ran a prefill beside a running request's decode step"
+    ends = [r.arrival_s + r.total_s for r in results]
+    assert ends == sorted(ends)  # finishing order
+    assert any(r.queued_s > 0 for r in results)  # some waited for room or for the batch
+    for r, q in zip(sorted(results, key=lambda r: r.rid), reqs, strict=True):
+        assert r.arrival_s == q.arrival and 0 <= r.queued_s < r.ttft_s <= r.total_s
+        assert r.device_hit + r.host_hit + r.computed == len(q.prompt)
+
+
+def test_serve_times_on_a_fake_clock(monkeypatch):
+    """Times from arrival: waiting for the batch counts in ``queued_s`` and ``ttft_s``; an idle loop
+    sleeps until the next arrival."""
+    from hicache.engine import Request
+
+    model = TinyLM(CFG)
+    clock = FakeClock(step_s=1.0)
+    clock.attach(model, monkeypatch)
+    reqs = [Request([1, 2, 3], 3, 0.0, "a"), Request([4, 5], 2, 0.5, "b"), Request([6, 7, 8, 9], 1, 10.0, "c")]
+    engine = Engine(model, CFG.pool(64, PAGE))
+    out = {r.rid: r for r in engine.serve(reqs, max_running=1, clock=clock, idle=clock.idle)}
+    # a: steps [0,1] [1,2] [2,3]. b waits for a (admitted at 3), steps [3,4] [4,5]. Idle until c at 10.
+    assert (out["a"].queued_s, out["a"].ttft_s, out["a"].total_s) == (0.0, 1.0, 3.0)
+    assert (out["b"].queued_s, out["b"].ttft_s, out["b"].total_s) == (2.5, 3.5, 4.5)
+    assert (out["c"].queued_s, out["c"].ttft_s, out["c"].total_s) == (0.0, 1.0, 1.0)
+    assert clock.forwards == [[3], [1], [1], [2], [1], [4]]
+
+
+def test_serve_prefill_budget(monkeypatch):
+    """``max_prefill_tokens`` bounds the prompt tokens prefilled in one step; a larger prompt still goes
+    in, alone."""
+    from hicache.engine import Request
+
+    model = TinyLM(CFG)
+    clock = FakeClock()
+    clock.attach(model, monkeypatch)
+    reqs = [Request(list(range(i, i + 8)), 2, 0.0, i) for i in range(3)] + [Request(list(range(30)), 2, 0.0, 9)]
+    results = Engine(model, CFG.pool(256, PAGE)).serve(
+        reqs, max_running=4, max_prefill_tokens=12, clock=clock, idle=clock.idle
+    )
+    prefills = [[x for x in f if x > 1] for f in clock.forwards]
+    assert [p for p in prefills if p] == [[8], [8], [8], [30]]
+    check_against_recompute(model, reqs, results)
+
+
+def test_serve_waits_for_room_and_refuses_what_never_fits(monkeypatch):
+    """A pool that holds one request at a time serves them one after another; a request larger than the
+    whole pool raises MemoryError naming it, with every slot and lock given back."""
+    from hicache.engine import Request
+
+    model = TinyLM(CFG)
+    clock = FakeClock()
+    clock.attach(model, monkeypatch)
+    pool = CFG.pool(24, PAGE)
+    with make_cache(pool, threaded=False) as cache:
+        engine = Engine(model, pool, cache)
+        reqs = [Request(list(range(3 * i, 3 * i + 14)), 3, 0.0, i) for i in range(3)]
+        results = engine.serve(reqs, max_running=3, clock=clock, idle=clock.idle)
+        check_against_recompute(model, reqs, results)
+        assert max(len(f) for f in clock.forwards) == 1  # never two at once: no room
+        big = Request(list(range(40)), 2, 0.0, "big")
+        with pytest.raises(MemoryError, match="request 'big' needs 41 slots"):
+            engine.serve([Request([1, 2, 3], 4, 0.0, "small"), big], max_running=2, clock=clock, idle=clock.idle)
+        cache.flush()
+        cache.verify()
+        assert cache.protected_size() == 0
+        assert pool.available_size() + cache.evictable_size() == pool.size
+
+
+def test_serve_gives_back_everything_when_a_forward_fails(monkeypatch):
+    """A forward that raises mid-run: the error reaches the caller, the running and new requests' slots
+    and locks are given back, and the engine serves correctly afterwards."""
+    model = TinyLM(CFG)
+    pool = CFG.pool(128, PAGE)
+    real = model.forward_batch
+    calls = [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("injected forward failure")
+        return real(*args, **kwargs)
+
+    reqs = staggered_requests(seed=3, n=6)
+    with make_cache(pool, threaded=False) as cache:
+        engine = Engine(model, pool, cache)
+        monkeypatch.setattr(model, "forward_batch", flaky)
+        with pytest.raises(RuntimeError, match="injected forward failure"):
+            engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
+        cache.flush()
+        cache.verify()
+        assert cache.protected_size() == 0
+        assert pool.available_size() + cache.evictable_size() == pool.size
+        monkeypatch.setattr(model, "forward_batch", real)
+        results = engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
+        check_against_recompute(model, reqs, results)
+
+
+def test_serve_refusals():
+    from hicache.engine import Request
+
+    engine = Engine(TinyLM(CFG), CFG.pool(64, PAGE))
+    for bad in (0, True, "2", 1.5):
+        with pytest.raises(ValueError, match="max_running: expected an int >= 1"):
+            engine.serve([], max_running=bad)
+    with pytest.raises(ValueError, match="max_prefill_tokens: expected None or an int >= 1"):
+        engine.serve([], max_prefill_tokens=0)
+    with pytest.raises(ValueError, match="prompt: expected at least one token"):
+        Request([], 2)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1"):
+            Request([1], bad)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="arrival: expected seconds >= 0"):
+            Request([1], 1, bad)
+    assert engine.serve([]) == []
