@@ -37,3 +37,13 @@ def each_tree_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
             pytest.skip(f"compiled tree core unavailable: {why}")
     monkeypatch.setenv("HICACHE_TREE_CORE", request.param)
     return request.param
+
+
+@pytest.fixture
+def fake_mooncake(monkeypatch: pytest.MonkeyPatch):
+    """A fake Mooncake Store client in place of ``mooncake.store`` (:class:`storagedata.FakeMooncake`)."""
+    from storagedata import FakeMooncake
+
+    fake = FakeMooncake().install(monkeypatch)
+    yield fake
+    fake.close()

@@ -1,7 +1,13 @@
 """Host pools of random bytes and each page's bytes by reference indexing, for the storage backends'
-tests (the file backend's and the mooncake backend's)."""
+tests (the file backend's and the mooncake backend's); a fake Mooncake Store client."""
 
 from __future__ import annotations
+
+import ctypes
+import socket
+import sys
+import threading
+import types
 
 import torch
 
@@ -40,3 +46,123 @@ def page_bytes(host: HostKVPool, slots: torch.Tensor) -> list[bytes]:
                 parts.append(t[int(s[0]) // PAGE].contiguous())
         out.append(b"".join(x.view(torch.uint8).numpy().tobytes() for x in parts))
     return out
+
+
+# -- a fake Mooncake Store client ------------------------------------------------------------------------
+OBJECT_NOT_FOUND = -704
+
+
+class Stall:
+    """Makes the next batch get or put of a :class:`FakeMooncake` wait, before it touches the host memory,
+    until ``release`` is set; ``done`` is set once that call has moved its bytes."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.done = threading.Event()
+
+
+class FakeMooncake:
+    """A stand-in for the Mooncake Store client (``mooncake.store``), installed in ``sys.modules`` by
+    :meth:`install`: every client of it shares one store (``objects``), and the batch methods move the
+    bytes between the registered host memory and that store with ``ctypes``, as the real client does
+    (``puts`` keeps every object a put read, removed or not). A ``MooncakeBackend`` built on it needs a
+    listening "master" socket, which :meth:`install` opens."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.puts: dict[str, bytes] = {}
+        self.stalls: dict[str, Stall] = {}
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen()
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def install(self, monkeypatch) -> FakeMooncake:
+        fake = self
+
+        class ReplicateConfig:
+            replica_num = 1
+
+        class Store:
+            def setup(self, *args) -> int:
+                return 0
+
+            def register_buffer(self, addr: int, nbytes: int) -> int:
+                return 0
+
+            def unregister_buffer(self, addr: int) -> int:
+                return 0
+
+            def health_check(self) -> int:
+                return 0
+
+            def close(self) -> None:
+                pass
+
+            def batch_is_exist(self, keys):
+                return [int(k in fake.objects) for k in keys]
+
+            def remove(self, key: str) -> int:
+                return 0 if fake.objects.pop(key, None) is not None else OBJECT_NOT_FOUND
+
+            def batch_get_into_multi_buffers(self, keys, addrs, sizes):
+                stall = fake._stall("get")
+                out = []
+                for key, a, n in zip(keys, addrs, sizes, strict=True):
+                    data = fake.objects.get(key)
+                    if data is None or len(data) != sum(n):
+                        out.append(OBJECT_NOT_FOUND if data is None else -1)
+                        continue
+                    pos = 0
+                    for addr, size in zip(a, n, strict=True):
+                        ctypes.memmove(addr, data[pos : pos + size], size)
+                        pos += size
+                    out.append(pos)
+                if stall is not None:
+                    stall.done.set()
+                return out
+
+            def batch_put_from_multi_buffers(self, keys, addrs, sizes, config):
+                stall = fake._stall("put")
+                for key, a, n in zip(keys, addrs, sizes, strict=True):
+                    fake.puts[key] = fake.objects[key] = b"".join(
+                        ctypes.string_at(addr, size) for addr, size in zip(a, n, strict=True)
+                    )
+                if stall is not None:
+                    stall.done.set()
+                return [0] * len(keys)
+
+            def batch_get_into(self, keys, addrs, sizes):
+                return self.batch_get_into_multi_buffers(keys, [[a] for a in addrs], [[n] for n in sizes])
+
+            def batch_put_from(self, keys, addrs, sizes, config):
+                return self.batch_put_from_multi_buffers(keys, [[a] for a in addrs], [[n] for n in sizes], config)
+
+        store = types.ModuleType("mooncake.store")
+        store.MooncakeDistributedStore = Store
+        store.ReplicateConfig = ReplicateConfig
+        package = types.ModuleType("mooncake")
+        package.__path__ = []
+        package.store = store
+        monkeypatch.setitem(sys.modules, "mooncake", package)
+        monkeypatch.setitem(sys.modules, "mooncake.store", store)
+        return self
+
+    def stall(self, method: str) -> Stall:
+        """Stall the next batch ``"get"`` or ``"put"``."""
+        self.stalls[method] = s = Stall()
+        return s
+
+    def _stall(self, method: str) -> Stall | None:
+        s = self.stalls.pop(method, None)
+        if s is not None:
+            assert s.release.wait(60), "the test never released a stalled call"
+        return s
+
+    def backend(self, **kw):
+        from hicache.storage.mooncake import MooncakeBackend
+
+        return MooncakeBackend(self.address, local_hostname="127.0.0.1", **kw)
+
+    def close(self) -> None:
+        self._sock.close()

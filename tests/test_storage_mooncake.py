@@ -30,6 +30,8 @@ from storagedata import PAGE, host_pool, page_bytes
 from hicache.storage import Namespace, create_backend, page_keys
 from hicache_kernels import layouts
 
+from kvdata import random_bytes_
+
 CASES = [(lay, False) for lay in layouts.LAYOUTS] + [(lay, True) for lay in layouts.MLA_LAYOUTS]
 TIMEOUT_S = 1.0  # the backend's per-call bound in the fault tests
 SLACK_S = 1.5  # what closing may take beyond setup_timeout_s on a slow machine
@@ -197,6 +199,55 @@ def test_no_master_is_a_quick_clear_error(master_binary):
     with pytest.raises(RuntimeError, match=f"no mooncake_master answers at 127.0.0.1:{port}"):
         make_backend(f"127.0.0.1:{port}")
     assert time.monotonic() - t0 < 10
+
+
+# -- calls given up on: a fake client (the fake_mooncake fixture) that stalls mid-transfer ---------------
+@pytest.mark.parametrize("method", ["get", "put"])
+@pytest.mark.parametrize("layout,mla", [("page_first", True), ("page_first", False), ("layer_first", False)])
+def test_a_batch_call_given_up_on_keeps_its_slots_busy_until_it_returns(fake_mooncake, method, layout, mla):
+    """A batch call that outlives timeout_s returns misses while the client goes on with the transfer:
+    its batch's host slots are busy (slots_busy) until it returns, and no others; the transfer did move
+    the bytes late (read into the destination, or stored from the source)."""
+    host = host_pool(layout, mla, seed=40)
+    src, dst, other = host.alloc(3 * PAGE), host.alloc(3 * PAGE), host.alloc(PAGE)
+    keys = keys_for(3, f"late-{method}-{layout}-{mla}")
+    want = page_bytes(host, src)
+    be = fake_mooncake.backend(timeout_s=0.05, retry_interval_s=3600).attach(host)  # no call after a timeout
+    stall = fake_mooncake.stall(method)
+    try:
+        if method == "get":
+            fake_mooncake.objects.update(zip(keys, want, strict=True))
+            random_bytes_(host.buffer, torch.Generator().manual_seed(41))  # the destination poisoned
+            assert page_bytes(host, dst) != want
+            busy = dst
+            assert be.batch_get_into(keys, dst) == [False] * 3
+        else:
+            busy = src
+            assert be.batch_set_from(keys, src) == [False] * 3
+        assert be.slots_busy(busy) and be.slots_busy(busy[PAGE : 2 * PAGE])  # every page of the batch
+        assert not be.slots_busy(other) and not be.slots_busy(dst if method == "put" else src)
+        assert be.stats()["abandoned"] == 1
+        stall.release.set()
+        assert not be.slots_busy(busy, timeout=HANG_S)  # free to reuse once the call returned
+        assert stall.done.is_set() and be.stats()["abandoned"] == 0
+        if method == "get":
+            assert page_bytes(host, dst) == want  # the late read landed (in slots kept busy until it did)
+        else:
+            assert [fake_mooncake.puts[k] for k in keys] == want  # the late put read the pages it was given
+    finally:
+        stall.release.set()
+        be.close()
+
+
+def test_a_call_on_time_leaves_no_slot_busy(fake_mooncake):
+    host = host_pool(seed=42)
+    src, dst = host.alloc(2 * PAGE), host.alloc(2 * PAGE)
+    keys = keys_for(2, "on-time")
+    with fake_mooncake.backend(timeout_s=30.0).attach(host) as be:
+        assert be.batch_set_from(keys, src) == [True, True]
+        assert be.batch_get_into(keys, dst) == [True, True]
+        assert page_bytes(host, dst) == page_bytes(host, src)
+        assert not be.slots_busy(src) and not be.slots_busy(dst) and be.stats()["abandoned"] == 0
 
 
 # -- round trips ------------------------------------------------------------------------------------------

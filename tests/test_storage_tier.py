@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from storagedata import page_bytes
 
 from hicache import DeviceKVPool, HiRadixCache, HostKVPool
 from hicache.storage import FileBackend, StorageBackend, page_keys
 from hicache.storage.tier import PrefetchPolicy
 
 from cachedata import HEAD_DIM, HEAD_NUM, NUM_LAYERS, check_kv, prefill
+from kvdata import random_bytes_
 
 pytestmark = pytest.mark.usefixtures("each_tree_core")
 
@@ -248,6 +250,83 @@ def test_timeout_policy_admits_at_the_deadline_keeping_what_landed(tmp_path, mon
         b._reap_zombies()
         assert b.host_pool.available_size() == free_before + 40 and not b._zombies
         assert load_and_check(b, TOKENS) == 8
+
+
+OTHER = [1000 + (11 * i + 5) % 1000 for i in range(48)]  # another prompt: no page in common with TOKENS
+HANG_S = 60.0  # a hang detector, not a speed limit
+
+
+def test_a_late_mooncake_read_never_lands_in_reused_host_slots(fake_mooncake):
+    """A prefetch read that Mooncake gives up on at timeout_s is a miss, but the client may still write
+    the pages into their host slots later: the cache keeps those slots out of the host pool until the
+    call returns, so another node's host copy, taken meanwhile, is never overwritten."""
+    store(fake_mooncake.backend())  # a first instance backs TOKENS' 12 pages up to the store
+    be = fake_mooncake.backend(timeout_s=0.05, retry_interval_s=3600)  # down after the timeout: no more calls
+    with make(be, batch_pages=12) as b:
+        random_bytes_(b.host_pool.buffer, torch.Generator().manual_seed(50))  # poison every host slot
+        reads: list[torch.Tensor] = []
+        real = be.batch_get_into
+        be.batch_get_into = lambda keys, slots: (reads.append(slots.clone()), real(keys, slots))[1]
+        stall = fake_mooncake.stall("get")
+        try:
+            assert prefetch(b, TOKENS) == 0  # gave up at timeout_s: nothing inserted, the client goes on
+            (late,) = reads
+            assert len(late) == 48
+            b.verify()
+            prefill(b, OTHER)
+            b.flush()  # OTHER's host copy takes host slots meanwhile
+            other = b.match_prefix(OTHER).last_device_node.host_value
+            assert len(other) == 48
+            before = page_bytes(b.host_pool, other)
+            free = b.host_pool.available_size()
+            b.verify()
+        finally:
+            stall.release.set()
+        assert stall.done.wait(HANG_S)  # the late read has written its pages
+        assert page_bytes(b.host_pool, other) == before, "a late storage read overwrote another node's host copy"
+        keys = page_keys(TOKENS, 4, prev_digest=b.storage.root_digest)
+        assert page_bytes(b.host_pool, late) == [fake_mooncake.objects[k] for k in keys]  # it landed where held
+        assert not torch.isin(other, late).any()
+        assert not be.slots_busy(late, timeout=HANG_S)
+        b.check_storage()  # the held slots go back to the pool once the call returned
+        assert b.host_pool.available_size() == free + 48 and not b._held_host
+        b.verify()
+        assert b.evict(b.device_pool.size) == 48
+        assert load_and_check(b, OTHER) == 48  # OTHER's KV back from its host copy, byte for byte
+
+
+def test_a_late_mooncake_write_stores_the_pages_it_was_given(fake_mooncake):
+    """A backup put that Mooncake gives up on at timeout_s is a failed backup, but the client may still
+    read the pages from their host slots later: the cache keeps those slots out of the host pool (the
+    node's host copy is evicted meanwhile) until the call returns, so the put stores the node's pages,
+    never another node's under its keys."""
+    be = fake_mooncake.backend(timeout_s=0.05, retry_interval_s=3600)
+    with make(be) as a:
+        random_bytes_(a.host_pool.buffer, torch.Generator().manual_seed(51))
+        stall = fake_mooncake.stall("put")
+        try:
+            prefill(a, TOKENS)
+            a.flush()  # the host copy, then its backup: the put outlives timeout_s (told False), the node unlocks
+            assert a.metrics.storage_pages_written == 0 and not a._inflight_storage
+            slots = a.match_prefix(TOKENS).last_device_node.host_value.clone()
+            want = page_bytes(a.host_pool, slots)
+            assert a.evict(a.device_pool.size) == 48 and a.evict_host(a.host_pool.size) == 48  # gone from both
+            a.verify()
+            prefill(a, OTHER)
+            a.flush()  # another node's host copy meanwhile
+            other = a.match_prefix(OTHER).last_device_node.host_value
+            a.verify()
+        finally:
+            stall.release.set()
+        assert stall.done.wait(HANG_S)  # the late put has read its pages
+        keys = page_keys(TOKENS, 4, prev_digest=a.storage.root_digest)
+        assert [fake_mooncake.puts[k] for k in keys] == want, "a late put stored other bytes under the keys"
+        assert not torch.isin(other, slots).any() and len(a._held_host) == 1  # held until the put returned
+        assert not be.slots_busy(slots, timeout=HANG_S)
+        free = a.host_pool.available_size()
+        a.check_storage()
+        assert a.host_pool.available_size() == free + 48 and not a._held_host
+        a.verify()
 
 
 def test_best_effort_admits_at_once(tmp_path):

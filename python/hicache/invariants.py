@@ -33,7 +33,8 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
     - copies in flight: the tree's and the controller's are the same; each one's node is in the tree
       and owns (with the halves split off it) the copy's host slots;
     - host slots: FREE when no node owns them, WRITING / LOADING exactly for the copies in flight,
-      SYNCED otherwise;
+      SYNCED otherwise; RESERVED for the prefetches in flight (and stopped ones their I/O thread still
+      holds); unowned and RESERVED or SYNCED while held for a busy storage backend (``_held_host``);
     - device slots: owned by exactly one node (or ``external_device``: held outside the tree) or free,
       and the tree's ownership record agrees.
     - lost nodes (failed load-back, still held): in the tree, on the device and the host, locked.
@@ -116,6 +117,20 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
             _fail(f"prefetch {p.request_id!r}: its host slots are owned by a node")
         expected[held] = SlotState.RESERVED
     states = cache.host_pool.state().numpy()
+    # Host slots let go of while the storage backend may still read or write them: unowned, not free yet.
+    claimed = np.zeros(host_size, dtype=np.int64)
+    for p in [*getattr(cache, "_prefetch_ops", {}).values(), *getattr(cache, "_zombies", [])]:
+        np.add.at(claimed, p.host_slots.numpy(), 1)
+    for slots in getattr(cache, "_held_host", []):
+        held = slots.numpy()
+        np.add.at(claimed, held, 1)
+        if (host_owner.numpy()[held] != 0).any():
+            _fail("host slots held for a busy storage backend are owned by a node")
+        if not np.isin(states[held], np.array([SlotState.RESERVED, SlotState.SYNCED], dtype=np.uint8)).all():
+            _fail("host slots held for a busy storage backend are not RESERVED or SYNCED")
+        expected[held] = states[held]
+    if (claimed > 1).any():
+        _fail(f"host slots {np.flatnonzero(claimed > 1)[:5].tolist()} are held twice (prefetches, held slots)")
     if not np.array_equal(states, expected):
         bad = np.flatnonzero(states != expected)[:5]
         names = [SlotState(int(s)).name for s in states[bad]]

@@ -477,7 +477,7 @@ class HiRadixCache(CopyAcks, StorageOps):
             if x.value is not None:
                 self._slots.free(x.value)
             if x.host_value is not None:
-                self.host_pool.free(x.host_value)
+                self._free_host(x.host_value)  # held while the storage backend may still read it
                 self.metrics.host_evicted_tokens += x.num_tokens
             x.value = x.host_value = None
             self._node_keys.pop(x.id, None)

@@ -14,6 +14,12 @@ Mixin of :class:`~hicache.radix_cache.HiRadixCache` (``storage=``). What it adds
   that number across TP ranks (MIN), allocates host slots for that many only, starts the I/O thread's
   read, ends the prefetch by the policy, and inserts the pages that landed on every rank as a
   host-only node under the matched node, to be loaded to the device as any host hit.
+- **Busy host slots**: host slots the backend may still read or write after giving up on a call
+  (:meth:`~hicache.storage.StorageBackend.slots_busy`: a timed-out Mooncake batch whose transfer goes
+  on) are never returned to the host pool while busy: a stopped prefetch's slots and a deleted node's
+  host copy wait in ``_held_host`` (unowned, RESERVED or SYNCED) and are freed once the backend is done
+  with them (checked when a prefetch is requested, when backups are processed, and at close, which
+  waits up to ``IO_GRACE_S``; slots still busy after close stay allocated).
 - **TP**: every collective is issued on every rank the same number of times (the branches before them
   depend only on the tokens and the agreed values), including when a rank's backend fails or hangs.
 """
@@ -52,6 +58,7 @@ class StorageOps:
         self._inflight_storage: dict[int, list[TreeNode]] = {}  # node id -> the nodes of its backups
         self._prefetch_ops: dict[Any, Prefetch] = {}
         self._zombies: list[Prefetch] = []  # stopped, but the I/O thread still holds some of their slots
+        self._held_host: list[torch.Tensor] = []  # host slots let go of while the backend was busy with them
         if storage is None:
             return
         if model_id is None or not isinstance(model_id, str) or not model_id:
@@ -112,9 +119,11 @@ class StorageOps:
         self._storage.submit_backup(node.id, keys, host)
 
     def _take_storage(self: HiRadixCache) -> int:
-        """Process the storage backups finished on every rank: unlock their nodes, count."""
+        """Process the storage backups finished on every rank: unlock their nodes, count; free the host
+        slots the backend has let go of."""
         if self._storage is None:
             return 0
+        self._reap_zombies()
         done = self._storage.finished_backups()
         m = self.metrics
         page_bytes = self.host_pool.page_bytes
@@ -287,8 +296,7 @@ class StorageOps:
         rest = p.host_slots[n:] if used else p.host_slots
         if p.finished.is_set():
             m.storage_read_time_s += p.read_s
-            if len(rest):
-                self.host_pool.free(rest)
+            self._free_host(rest)  # held instead while a read the backend gave up on may still land in them
         else:
             p.host_slots = rest  # freed when the I/O thread returns (_reap_zombies)
             self._zombies.append(p)
@@ -304,13 +312,30 @@ class StorageOps:
         node.host_value = host
         return node
 
+    def _free_host(self: HiRadixCache, slots: torch.Tensor) -> None:
+        """Return host slots the cache no longer uses to the host pool, or, while the storage backend may
+        still read or write them (a call it gave up on), hold them in ``_held_host`` until it is done."""
+        if not len(slots):
+            return
+        if self._storage is not None and self._storage.slots_busy(slots):
+            self._held_host.append(slots)
+        else:
+            self.host_pool.free(slots)
+
     def _reap_zombies(self: HiRadixCache) -> None:
-        """Free the slots of stopped prefetches whose I/O thread has let go of them."""
+        """Free the slots of stopped prefetches whose I/O thread has let go of them, and the held host
+        slots the backend is done with."""
         if self._zombies:
             for p in [z for z in self._zombies if z.finished.is_set()]:
                 self._zombies.remove(p)
-                if len(p.host_slots):
-                    self.host_pool.free(p.host_slots)
+                self._free_host(p.host_slots)
+        if self._held_host:
+            held, self._held_host = self._held_host, []
+            for slots in held:
+                if self._storage.slots_busy(slots):
+                    self._held_host.append(slots)
+                else:
+                    self.host_pool.free(slots)
 
     def _close_storage(self: HiRadixCache) -> None:
         """At close: stop every prefetch (nothing inserted), finish the queued backups, stop the threads."""
@@ -323,4 +348,8 @@ class StorageOps:
         for p in self._zombies:
             p.finished.wait(IO_GRACE_S)
         self._reap_zombies()
+        end = time.perf_counter() + IO_GRACE_S  # one grace for every busy transfer together
+        for slots in self._held_host:
+            self._storage.slots_busy(slots, max(0.0, end - time.perf_counter()))
+        self._reap_zombies()  # what is still busy stays allocated: the backend may yet touch it
         self._storage.close()

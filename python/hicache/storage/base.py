@@ -16,6 +16,14 @@ before the batch methods are used.
 Failures are misses: a batch method returns ``False`` for a page it could not read or write and never
 raises for a store fault (a missing, torn or corrupt object, a full store). After a ``False`` from
 :meth:`~StorageBackend.batch_get_into` the page's host slots hold garbage: the caller frees them.
+
+A batch method normally returns only when it is done with the host pool's memory. A backend that bounds
+its calls in time may instead give up on one and return (``False``) while its store's client is still
+reading or writing those host slots in the background; it then reports them through
+:meth:`~StorageBackend.slots_busy` until that transfer has ended, and the caller must not free (or
+reuse) busy slots: a late read would land in whatever the slots hold by then (another page's KV), a late
+write would store whatever they hold under the key. The default (no transfer is ever left behind) says
+no slot is busy.
 """
 
 from __future__ import annotations
@@ -122,6 +130,14 @@ class StorageBackend:
             self._count(sets=int(ok), set_failures=int(not ok), bytes_written=len(value) if ok else 0)
             out.append(ok)
         return out
+
+    def slots_busy(self, host_slots: torch.Tensor, timeout: float | None = 0.0) -> bool:
+        """Whether a transfer this backend gave up on (a batch call that returned while the store went on
+        with it) may still read or write any of ``host_slots``, after waiting up to ``timeout`` seconds
+        (``0``: not at all; None: until it ends) for such transfers to end. The caller keeps busy slots
+        out of use and asks again later. The default: False (every batch call here returns when it is
+        done with the host memory); thread-safe, as overrides must be."""
+        return False
 
     def stats(self) -> dict[str, int | float | str]:
         """Counters: ``hits`` / ``misses`` (pages read or not), ``sets`` / ``set_failures``, ``bytes_read`` /

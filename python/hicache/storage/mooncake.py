@@ -22,12 +22,14 @@ same client remounts its segment by itself and the backend works again; objects 
 are gone (its metadata lived in memory). ``timeout_s`` is enforced by running client calls on shared
 daemon threads: a call that outlives it is left to finish in the background (the client's own RPC
 timeout ends it, about 30 s against a frozen master), and while ``max_abandoned`` such calls are
-outstanding the backend makes no new ones. A late *set* is removed again (its caller was told
-``False``, and the host pages it read may have been reused meanwhile; as a put of a present key also
-reports success, this may drop an object another client stored meanwhile: a later miss, never wrong
-bytes; an object a reader holds a lease on stays); a late *get* may still write
-into slots its caller has freed, which the client only does if it stalls mid-transfer (a stalled master
-fails the lookup before any transfer), so ``timeout_s`` should stay well above a batch's transfer time.
+outstanding the backend makes no new ones. A batch call left running may still move pages between the
+store and its host slots (the client does if it stalls mid-transfer): a late *get* would write them, a
+late *set* read them. So until it returns, :meth:`~MooncakeBackend.slots_busy` reports the host slots
+of its batch as busy, and its caller (the storage tier's cache) keeps them out of the host pool's free
+list: neither can land in, or store, another page's KV. A late set's objects are then also removed
+again (its caller was told ``False``; this guards callers that ignore ``slots_busy``; as a put of a
+present key also reports success, it may drop an object another client stored meanwhile: a later
+miss, never wrong bytes; an object a reader holds a lease on stays).
 
 Set-up, for one machine with TCP (no RDMA)::
 
@@ -165,7 +167,7 @@ class MooncakeBackend(StorageBackend):
     retry_interval_s : while the master is down, how often to ask the client whether it is back (1 s).
     replica_num : replicas per object (default 1).
     max_abandoned : calls past ``timeout_s`` still running in the background beyond which no new call is
-        made (default 4).
+        made (default 4). A batch call among them keeps its host slots busy (:meth:`slots_busy`).
 
     Raises ``RuntimeError`` when the client is not installed or the master cannot be reached at
     construction; store faults later are misses.
@@ -222,7 +224,9 @@ class MooncakeBackend(StorageBackend):
         self._down = False  # the master is considered gone: no calls but a probe per retry_interval_s
         self._warned = False  # an outage was logged and no call has reached the master since
         self._retry_at = 0.0
-        self._abandoned = 0  # calls past timeout_s still running
+        # Calls past their timeout still running: each one's done event -> the host slots it may still
+        # read or write (None for a call that touches no host slot).
+        self._late: dict[threading.Event, torch.Tensor | None] = {}
         self._closed = False
         self._registered: tuple[int, int] | None = None  # (address, bytes) of the attached pool's buffer
         self._counts.update(skipped=0, not_found=0, errors=0, timeouts=0, outages=0, late_gets=0, late_sets=0)
@@ -258,9 +262,13 @@ class MooncakeBackend(StorageBackend):
         args: Sequence[Any],
         timeout: float | None,
         on_late: Callable[[Any], None] | None = None,
+        busy: torch.Tensor | None = None,
     ) -> tuple[str, Any]:
         """Call ``fn(*args)`` for at most ``timeout`` seconds: ``("ok", result)``, ``("raised", exc)`` or
-        ``("timeout", None)``; a call past its timeout finishes on its thread, then ``on_late(result)``."""
+        ``("timeout", None)``; a call past its timeout finishes on its thread, then ``on_late(result)``.
+        ``busy``: the host slots the call reads or writes, reported by :meth:`slots_busy` from the moment
+        it is given up on until it returns (recorded under the lock that decides it is late, so a call
+        that ends meanwhile is either on time or recorded, never lost)."""
         if timeout is None:
             try:
                 return "ok", fn(*args)
@@ -278,7 +286,7 @@ class MooncakeBackend(StorageBackend):
                 done.set()
                 late = box.get("late", False)
                 if late:
-                    self._abandoned -= 1
+                    del self._late[done]  # its host slots are no longer busy
             if late and on_late is not None and "result" in box:
                 try:
                     on_late(box["result"])
@@ -290,7 +298,7 @@ class MooncakeBackend(StorageBackend):
             with self._lock:
                 if not done.is_set():
                     box["late"] = True
-                    self._abandoned += 1
+                    self._late[done] = None if busy is None else busy.detach().to("cpu", torch.int64).clone()
                     return "timeout", None
         if "error" in box:
             return "raised", box["error"]
@@ -324,7 +332,7 @@ class MooncakeBackend(StorageBackend):
     def _available(self, deadline: float | None) -> bool:
         """Whether to call the store now: the master is up, or down but the client says it is back."""
         with self._lock:
-            if self._closed or self._abandoned >= self.max_abandoned:
+            if self._closed or len(self._late) >= self.max_abandoned:
                 return False
             if not self._down:
                 return True
@@ -356,16 +364,18 @@ class MooncakeBackend(StorageBackend):
         fn: Callable[..., Any],
         *args: Any,
         on_late: Callable[[Any], None] | None = None,
+        busy: torch.Tensor | None = None,
     ) -> Any:
         """A store call that returns by ``deadline``: its result, or ``_FAILED`` (when it raised or ran out
-        of time the master is marked down; when no time was left it is not made)."""
+        of time the master is marked down; when no time was left it is not made). ``busy``: as for
+        :meth:`_run`."""
         if not self._available(deadline):
             return _FAILED
         left = self._left(deadline)
         if left is not None and left <= 0:
             self._count(timeouts=1)
             return _FAILED
-        status, out = self._run(fn, args, left, on_late)
+        status, out = self._run(fn, args, left, on_late, busy)
         if status == "ok":
             return out
         if status == "timeout":
@@ -485,11 +495,12 @@ class MooncakeBackend(StorageBackend):
             fn, what = self._store.batch_get_into_multi_buffers, "batch_get_into_multi_buffers"
             args = ([[a for a, _ in r] for r in pages], [[n for _, n in r] for r in pages])
 
-        def late(_: Any) -> None:
+        def late(_: Any) -> None:  # its host slots were busy until now (slots_busy): nothing else was there
             self._count(late_gets=1)
-            log.warning("mooncake: a %s finished after its timeout; its pages may have been written late", what)
+            log.warning("mooncake: a %s finished after its timeout; its host slots are free to reuse now", what)
 
-        codes = self._codes(what, self._call(what, self._deadline(), fn, keys, *args, on_late=late), len(keys))
+        got = self._call(what, self._deadline(), fn, keys, *args, on_late=late, busy=host_slots)
+        codes = self._codes(what, got, len(keys))
         out = [c == nbytes for c in codes] if codes is not None else [False] * len(keys)
         hits = sum(out)
         if codes is not None:
@@ -534,7 +545,9 @@ class MooncakeBackend(StorageBackend):
                         if int(c) == 0:
                             self._remove(key)
 
-                put = self._call(what, deadline, fn, put_keys, *args, self._config, on_late=late)
+                # Busy until it returns: a late put must read the pages it was given, not what a reuse of
+                # their slots put there (a wrong object under a content key, for every reader of the store).
+                put = self._call(what, deadline, fn, put_keys, *args, self._config, on_late=late, busy=host_slots)
                 codes = self._codes(what, put, len(todo))
                 if codes is not None:
                     stored = {keys[i]: c in (0, OBJECT_ALREADY_EXISTS) for i, c in zip(todo, codes, strict=True)}
@@ -549,14 +562,32 @@ class MooncakeBackend(StorageBackend):
         self._store.remove(key)
 
     # -- the rest ------------------------------------------------------------------------------------
+    def slots_busy(self, host_slots: torch.Tensor, timeout: float | None = 0.0) -> bool:
+        """Whether a batch call given up on at its ``timeout_s`` and still running holds any of
+        ``host_slots`` (its whole batch), after waiting up to ``timeout`` seconds for those calls to end.
+        Closing the backend does not end them: their slots stay busy until they return."""
+        slots = host_slots.detach().to("cpu", torch.int64)
+        with self._lock:
+            calls = [
+                done
+                for done, held in self._late.items()
+                if held is not None and len(slots) and bool(torch.isin(held, slots).any())
+            ]
+        end = None if timeout is None else time.monotonic() + timeout
+        for done in calls:
+            if not done.wait(None if end is None else max(0.0, end - time.monotonic())):
+                return True
+        return False
+
     def stats(self) -> dict[str, int | float | str]:
         """The base counters plus ``skipped`` (keys already stored on a set), ``not_found``, ``errors``
         (other per-key failures), ``timeouts``, ``outages`` (master outages, each logged once),
         ``late_gets`` / ``late_sets`` (calls that finished after their timeout), ``master_up``,
-        ``abandoned`` (calls past their timeout still running) and ``master``."""
+        ``abandoned`` (calls past their timeout still running; a batch call's slots are busy meanwhile)
+        and ``master``."""
         out = super().stats()
         with self._lock:
-            out.update(master_up=int(not self._down), abandoned=self._abandoned, master=self.master_server_address)
+            out.update(master_up=int(not self._down), abandoned=len(self._late), master=self.master_server_address)
         return out
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ scheduler drains (:meth:`StorageTier.finished_backups`, the count agreed across 
 controller's copies); a prefetch is a :class:`Prefetch` whose progress the scheduler reads. A backend
 that raises is a failure of that batch (counted, logged once per kind), never an exception in the
 scheduler; a backend that hangs holds only its prefetch's host slots, which are released when the call
-returns (the request goes ahead without them).
+returns (the request goes ahead without them), or, when the backend gave up on the call but its
+transfer goes on, when :meth:`StorageTier.slots_busy` says it has ended.
 """
 
 from __future__ import annotations
@@ -217,6 +218,17 @@ class StorageTier:
         except Exception as exc:  # noqa: BLE001
             self._fault("exists", exc)
             return 0
+
+    def slots_busy(self, host_slots: torch.Tensor, timeout: float | None = 0.0) -> bool:
+        """The backend's :meth:`~hicache.storage.StorageBackend.slots_busy`: whether host slots must stay
+        out of use, because a transfer the backend gave up on (a read that failed, a write that failed)
+        may still touch them. A backend that raises keeps them busy (a leak at worst, never a slot reused
+        under a transfer)."""
+        try:
+            return bool(self.backend.slots_busy(host_slots, timeout))
+        except Exception as exc:  # noqa: BLE001
+            self._fault("slots_busy", exc)
+            return True
 
     def start_query(self, p: Prefetch) -> None:
         """Key ``p.tokens``' pages and count the leading ones stored (on the query thread)."""
