@@ -29,6 +29,9 @@ def test_bench_serving_quick(tmp_path, workload):
     hier = res["hierarchical"]
     assert hier["device_hit_rate"] + hier["host_hit_rate"] >= res["device"]["device_hit_rate"]
     assert (tmp_path / "s.png").stat().st_size > 0
+    assert data["target"]["status"] == "n/a" and data["target"]["measured"] > 0  # a CPU run: the ratio only
+    if workload == "multiturn":  # longqa: every request holds the document, so the pool holds it all
+        assert data["cpu_ordering"]["hit_rate_above_device_only"] is True
 
 
 def test_bench_serving_refusals(capsys):
@@ -90,3 +93,27 @@ def test_clients_send_closed_loop_within_max_parallel(monkeypatch, rate):
     for a, _ in spans:  # in flight at each send: the requests sent before and not finished by then
         assert sum(1 for x, y in spans if x <= a < y) <= 2
     assert max(sum(1 for x, y in spans if x <= a < y) for a, _ in spans) == 2
+
+
+def test_serving_target_and_cpu_ordering():
+    """The target row: pass / MISS only on a GPU with the working set at least 4x the device pool; the
+    ratio is reported either way; n/a without both modes."""
+    from hicache.bench_serving import cpu_ordering, serving_target
+
+    def res(mode, p50, dev=0.0, host=0.0):
+        return {"mode": mode, "ttft_p50_s": p50, "device_hit_rate": dev, "host_hit_rate": host}
+
+    runs = [res("recompute", 4.0), res("device", 2.0, 0.4), res("hierarchical", 0.9, 0.4, 0.3)]
+    assert serving_target(runs, 0.25, True)["status"] == "pass"
+    assert serving_target(runs, 0.25, True)["measured"] == pytest.approx(0.45)
+    assert serving_target(runs, 0.3, True)["status"] == "n/a"  # the pool is more than a quarter
+    cpu = serving_target(runs, 0.25, False)
+    assert cpu["status"] == "n/a" and cpu["measured"] == pytest.approx(0.45) and "GPU" in cpu["note"]
+    runs[2]["ttft_p50_s"] = 1.1
+    assert serving_target(runs, 0.25, True)["status"] == "MISS"
+    assert serving_target(runs[:1], 0.25, True) | {"target": ""} == {"target": "", "measured": None,
+                                                                     "threshold": 0.5, "status": "n/a"}  # fmt: skip
+    assert cpu_ordering(runs) == {"hit_rate_above_device_only": True, "ttft_p50_below_recompute": True}
+    runs[2]["ttft_p50_s"], runs[2]["host_hit_rate"] = 5.0, 0.0
+    assert cpu_ordering(runs) == {"hit_rate_above_device_only": False, "ttft_p50_below_recompute": False}
+    assert cpu_ordering(runs[:2]) == {"hit_rate_above_device_only": None, "ttft_p50_below_recompute": None}

@@ -568,10 +568,12 @@ class Engine:
         except BaseException:
             self._unwind(new)
             raise
+        rows = torch.cat(logits)
+        tokens = rows.argmax(-1).tolist()  # waits for the forward (on a GPU): the step's end is now
         done = clock() - t0
-        for r, lg in zip(new + running, logits, strict=True):
-            r.rows.append(lg[0])
-            r.out.append(int(lg[0].argmax()))
+        for r, row, tok in zip(new + running, rows, tokens, strict=True):
+            r.rows.append(row)
+            r.out.append(tok)
         for r in new:
             r.first, r.load_wait, r.step_size = done, waited[0], len(new)
 
