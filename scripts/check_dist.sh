@@ -105,10 +105,14 @@ assert b["cuda_built"] and b["archs"] == [str(a) for a in parse_arch_list(archs)
 print(f"check_dist: {len(modules)} modules import from {site}; version {version}, archs {b['archs']}")
 EOF
   ) || fail "imports from $venv"
-  for script in hicache-info hicache-bench hicache-pcie hicache-targets; do
+  for script in hicache-info hicache-bench hicache-pcie hicache-targets hicache-bench-serving hicache-bench-tree \
+    hicache-bench-storage; do
     [ -x "$venv/bin/$script" ] || fail "$venv/bin/$script was not installed"
   done
   (cd "$WORK" && "$venv/bin/hicache-info") || fail "hicache-info in $venv"
+  # The model served over the cache, from the installed package alone (seconds).
+  (cd "$WORK" && "$venv/bin/hicache-bench-serving" --quick --modes recompute hierarchical --json serving.json \
+    >/dev/null) || fail "hicache-bench-serving in $venv"
   pip_in "$venv" check || fail "pip check in $venv"
 }
 

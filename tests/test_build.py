@@ -300,7 +300,8 @@ def test_every_public_module_imports_from_a_fresh_venv(sm90: SimpleNamespace, tm
     outside = {m: f for m, f in out["files"].items() if not f.startswith(str(site))}
     assert not outside, f"imported from outside the venv: {outside}"
     assert out["build"]["version"] == version_of(sm90.wheel) and out["build"]["archs"] == ["90"]
-    for script in ("hicache-info", "hicache-bench", "hicache-pcie", "hicache-targets"):
+    for script in ("hicache-info", "hicache-bench", "hicache-pcie", "hicache-targets", "hicache-bench-serving",
+                   "hicache-bench-tree", "hicache-bench-storage"):  # fmt: skip
         assert (venv / "bin" / script).exists(), script
     proc = subprocess.run([py, "-m", "hicache_kernels.info"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
