@@ -287,6 +287,7 @@ def plot(path: str, results: list[dict]) -> None:
         rounds = sorted(r["ttft_p50_by_round_s"], key=int)
         a.plot([int(k) for k in rounds], [1e3 * r["ttft_p50_by_round_s"][k] for k in rounds], marker="o",
                label=r["mode"])  # fmt: skip
+    a.set_xticks(sorted({int(k) for r in results for k in r["ttft_p50_by_round_s"]}))
     a.set_xlabel("round")
     a.set_ylabel("TTFT p50 (ms)")
     a.legend()
