@@ -411,3 +411,59 @@ def test_serve_refusals():
         with pytest.raises(ValueError, match="arrival: expected seconds >= 0"):
             Request([1], 1, bad)
     assert engine.serve([]) == []
+
+
+def test_serve_lets_requests_pass_a_slow_prefetch(tmp_path):
+    """A request whose pages come from the store waits for its prefetch without holding up the loop:
+    a later request that needs nothing from the store is served meanwhile (the store's read is held
+    until that one has finished), then the first is served from the store, equal to its recompute."""
+    import threading
+
+    from hicache.engine import Request
+
+    model = TinyLM(CFG)
+    policy = PrefetchPolicy("wait_complete", threshold_tokens=PAGE)
+    r = random.Random(7)
+    stored = [r.randrange(CFG.vocab) for _ in range(40)]
+    pool = CFG.pool(200, PAGE)
+    with make_cache(pool, storage=FileBackend(tmp_path), model_id="tiny", prefetch_policy=policy) as first:
+        Engine(model, pool, first).generate(stored, 3)
+        first.flush()
+    other_done = threading.Event()
+    reads = []
+
+    class SlowStore(FileBackend):
+        def batch_get_into(self, keys, host_slots):
+            reads.append(len(keys))
+            assert other_done.wait(30), "the loop waited for the prefetch instead of serving the other request"
+            return super().batch_get_into(keys, host_slots)
+
+    class Source:  # two requests at once; tells the store when the second is done
+        def __init__(self):
+            self.reqs = [Request(stored + [1, 2, 3], 3, 0.0, "from store"),
+                         Request([r.randrange(CFG.vocab) for _ in range(9)], 3, 0.0, "fresh")]  # fmt: skip
+
+        def poll(self, now):
+            out, self.reqs = self.reqs, []
+            return out
+
+        def next_arrival(self):
+            return None
+
+        def exhausted(self):
+            return not self.reqs
+
+        def finished(self, result):
+            if result.rid == "fresh":
+                other_done.set()
+
+    source = Source()
+    asked = list(source.reqs)
+    pool = CFG.pool(200, PAGE)
+    with make_cache(pool, storage=SlowStore(tmp_path), model_id="tiny", prefetch_policy=policy) as second:
+        results = Engine(model, pool, second).serve(source, max_running=2)
+        assert [x.rid for x in results] == ["fresh", "from store"]
+        assert reads and results[1].host_hit >= 40 - 40 % PAGE and second.metrics.storage_hit_tokens > 0
+        second.flush()
+        second.verify()
+    check_against_recompute(model, asked, results)
