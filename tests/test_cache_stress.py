@@ -547,9 +547,12 @@ class Driver:
         for node, host, _ in c._inflight_loads.values():
             points[node] += 1
             inflight_host.append((host, SlotState.LOADING))
-        for backed_up in c._inflight_storage.values():  # storage backups hold their node locked
+        pins: Counter = Counter()
+        for backed_up in c._inflight_storage.values():  # storage backups host-pin their node (no lock)
             for node in backed_up:
-                points[node] += 1
+                pins[node.id] += 1
+                assert attached(c, node) and node.host_value is not None, f"{node}: pinned without a host copy"
+        assert pins == Counter(c._host_pins), (pins, c._host_pins)
         prefetch_held = np.zeros(0, dtype=np.int64)
         for p in c._prefetch_ops.values():  # prefetches lock the node they continue
             points[p.node] += 1

@@ -354,7 +354,9 @@ def test_best_effort_admits_at_once(tmp_path):
             c.verify()
 
 
-def test_host_eviction_waits_for_the_storage_backup(tmp_path):
+def test_host_eviction_waits_for_the_storage_backup_device_eviction_does_not(tmp_path):
+    """A storage backup in flight host-pins its node: its host copy stays (the backend reads it), but
+    its device copy may go at once (a slow store must not hold device memory)."""
     class SlowSet(FileBackend):
         def __init__(self, path) -> None:
             super().__init__(path)
@@ -368,14 +370,14 @@ def test_host_eviction_waits_for_the_storage_backup(tmp_path):
     with make(backend, threaded=True) as a:
         prefill(a, TOKENS)
         a.controller.flush()
-        a.check_writes()  # host copy landed: the storage backup is queued (blocked) and the node locked
-        assert a._inflight_storage
-        assert a.evict(a.device_pool.size) == 0  # locked by its storage backup: stays in both tiers
-        assert a.evict_host(a.host_pool.size) == 0
+        a.check_writes()  # host copy landed: the storage backup is queued (blocked), the node host-pinned
+        assert a._inflight_storage and a.protected_size() == 0
+        assert a.evict(a.device_pool.size) == 48  # the device copy goes while the store is still writing
+        assert a.evict_host(a.host_pool.size) == 0  # the host copy stays: the backend reads it
         a.verify()
         backend.gate.set()
         a.flush()
-        assert a.evict(a.device_pool.size) == 48
+        assert not a._inflight_storage and not a._host_pins
         assert a.evict_host(a.host_pool.size) == 48
         a.verify()
     assert len(list(Path(tmp_path).rglob("*.kv"))) == 12

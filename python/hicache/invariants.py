@@ -29,7 +29,8 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
     - every node holds its KV somewhere, has a whole-page key, is its parent's child, and is on the
       device only below device-resident ancestors;
     - locks: a node's count covers its children's (a lock counts on every ancestor), and what remains
-      covers the copies in flight for that node;
+      covers the copies in flight for that node; host pins: one per storage backup in flight, on a
+      node in the tree with a host copy;
     - copies in flight: the tree's and the controller's are the same; each one's node is in the tree
       and owns (with the halves split off it) the copy's host slots;
     - host slots: FREE when no node owns them, WRITING / LOADING exactly for the copies in flight,
@@ -58,13 +59,19 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
             )
         for node, *_ in recs.values():
             inflight_at[node.id] += 1
-    # Storage backups and prefetches in flight hold a lock on their node (a prefetch on the node its
-    # pages continue; the root takes no locks).
-    for node_id, nodes in getattr(cache, "_inflight_storage", {}).items():
-        inflight_at[node_id] += len(nodes)
+    # Prefetches in flight hold a lock on the node their pages continue (the root takes no locks);
+    # storage backups in flight host-pin their node instead (one pin each).
     for p in getattr(cache, "_prefetch_ops", {}).values():
         if p.node is not root:
             inflight_at[p.node.id] += 1
+    storage = {i: len(nodes) for i, nodes in getattr(cache, "_inflight_storage", {}).items()}
+    pins = dict(getattr(cache, "_host_pins", {}))
+    if pins != storage:
+        _fail(f"host pins {pins} are not one per storage backup in flight {storage}")
+    for nodes in getattr(cache, "_inflight_storage", {}).values():
+        for x in nodes:
+            if not cache._attached(x) or x.host_value is None:
+                _fail(f"{x} is read by a storage backup but is not in the tree with a host copy")
 
     for n in cache._nodes():
         if n.value is None and n.host_value is None:

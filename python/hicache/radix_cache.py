@@ -10,7 +10,9 @@ Invariants, checked by :meth:`HiRadixCache.verify`:
 - along any root-to-leaf path the device-resident nodes form a prefix: device eviction takes device
   *leaves* only, load-back and insert revive host-only nodes from the top;
 - a node with a copy in flight (backup or load-back) is locked (``lock_ref > 0``), so it is never
-  evicted from either tier while its slots are WRITING/LOADING;
+  evicted from either tier while its slots are WRITING/LOADING; a node whose host copy a storage
+  backup is reading is host-pinned (never evicted from the host until that backup ends; its device
+  copy may go);
 - every device and host slot is either free in its pool or owned by exactly one node;
 - a host slot is WRITING / LOADING exactly while the controller has that backup / load-back (queued,
   running or acknowledged but not processed), and each such copy holds one lock on its node.
@@ -544,7 +546,12 @@ class HiRadixCache(CopyAcks, StorageOps):
             leaves = [self._tree.node(i) for i in self._tree.core.leaves(1)]
         else:
             leaves = [n for n in self._nodes() if n.evicted and not n.children]
-        heap = [(self.policy.key(n), n.id, n) for n in leaves if n.lock_ref == 0]
+        pins = self._host_pins
+
+        def evictable(n: Any) -> bool:  # unlocked, and no storage backup reading its host copy
+            return n.lock_ref == 0 and n.id not in pins
+
+        heap = [(self.policy.key(n), n.id, n) for n in leaves if evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -552,7 +559,7 @@ class HiRadixCache(CopyAcks, StorageOps):
             parent = x.parent
             freed += len(x.host_value)
             self._delete(x)
-            if parent is not self.root and parent.evicted and not self._child_nodes(parent) and parent.lock_ref == 0:
+            if parent is not self.root and parent.evicted and not self._child_nodes(parent) and evictable(parent):
                 heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
         return freed
 

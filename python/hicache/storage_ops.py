@@ -6,8 +6,10 @@ Mixin of :class:`~hicache.radix_cache.HiRadixCache` (``storage=``). What it adds
   continued from its parent's last page and rooted in the cache's :class:`~hicache.storage.Namespace`;
   computed on first use, split with the node, dropped with it.
 - **Backups**: when a node's host copy lands (whatever the write policy: it decides when that
-  happens), its pages are queued for the backend; the node stays locked until the agreed ack, so host
-  eviction waits for it. Pages already stored are skipped; a failed backup is counted, never raised.
+  happens), its pages are queued for the backend; the node is *host-pinned* until the agreed ack
+  (``_host_pins``): host eviction skips it, so its host slots stay as they are while the backend reads
+  them, but its device copy may still be evicted (a slow store does not hold device memory). Pages
+  already stored are skipped; a failed backup is counted, never raised.
 - **Prefetches**: :meth:`prefetch_from_storage` after ``match_prefix`` hands the tokens beyond the
   host hit to the query thread, which keys their pages and asks the backend how many leading ones it
   holds; :meth:`check_prefetch_progress`, called by the scheduler until it admits the request, agrees
@@ -58,6 +60,7 @@ class StorageOps:
         self._inflight_storage: dict[int, list[TreeNode]] = {}  # node id -> the nodes of its backups
         self._prefetch_ops: dict[Any, Prefetch] = {}
         self._zombies: list[Prefetch] = []  # stopped, but the I/O thread still holds some of their slots
+        self._host_pins: dict[int, int] = {}  # node id -> storage backups reading its host copy
         self._held_host: list[torch.Tensor] = []  # host slots let go of while the backend was busy with them
         if storage is None:
             return
@@ -104,7 +107,8 @@ class StorageOps:
 
     # ------------------------------------------------------------------ backups
     def _after_host_copy(self: HiRadixCache, node: Any, host: torch.Tensor) -> None:
-        """A backup's host copy landed (SYNCED): queue its pages for storage, the node locked."""
+        """A backup's host copy landed (SYNCED): queue its pages for storage, the node host-pinned (the
+        halves a later split takes off it are its ancestors: never host-only leaves while it stays)."""
         if self._storage is None or self._storage.closed:
             return
         chain = copy_chain(self.root, node, host)  # the node and the halves split off it, bottom-up
@@ -114,7 +118,7 @@ class StorageOps:
             return
         if len(keys) * self.page_size != len(host):
             return
-        self.inc_lock_ref(node)
+        self._host_pins[node.id] = self._host_pins.get(node.id, 0) + 1
         self._inflight_storage.setdefault(node.id, []).append(node)
         self._storage.submit_backup(node.id, keys, host)
 
@@ -137,8 +141,19 @@ class StorageOps:
             m.storage_bytes_written += written * page_bytes
             m.storage_write_time_s += seconds
             m.storage_backups_failed += int(error is not None)
-            self.dec_lock_ref(node)
+            self._unpin_host(node)
         return len(done)
+
+    def _host_pinned(self: HiRadixCache, node: Any) -> bool:
+        """A storage backup still reads ``node``'s host copy: host eviction must leave it."""
+        return node.id in self._host_pins
+
+    def _unpin_host(self: HiRadixCache, node: Any) -> None:
+        left = self._host_pins[node.id] - 1
+        if left:
+            self._host_pins[node.id] = left
+        else:
+            del self._host_pins[node.id]
 
     def check_storage(self: HiRadixCache) -> int:
         """Process finished storage backups (agreed across TP ranks): their nodes unlock. Returns how many.
