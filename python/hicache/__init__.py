@@ -1,12 +1,13 @@
 """hicache: a minimal hierarchical KV cache (device pool, pinned host pool, radix tree, controller)
 built on the transfer ops of :mod:`hicache_kernels`."""
 
-from .controller import CacheMetrics, CopyDropped, CopyError, HiCacheController, LayerDoneCounter
+from .controller import CacheMetrics, CopyDropped, CopyError, CopyFailedOnPeer, HiCacheController, LayerDoneCounter
 from .policies import FIFO, LFU, LRU, SLRU, Priority, get_policy
 from .pools import DeviceKVPool, HostKVPool, SlotState
 from .radix_cache import HiRadixCache, MatchResult, TreeNode
 
 __all__ = [
-    "FIFO", "LFU", "LRU", "SLRU", "CacheMetrics", "CopyDropped", "CopyError", "DeviceKVPool", "HiCacheController",
+    "FIFO", "LFU", "LRU", "SLRU", "CacheMetrics", "CopyDropped", "CopyError", "CopyFailedOnPeer",
+    "DeviceKVPool", "HiCacheController",
     "HiRadixCache", "HostKVPool", "LayerDoneCounter", "MatchResult", "Priority", "SlotState", "TreeNode", "get_policy",
 ]  # fmt: skip

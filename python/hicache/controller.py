@@ -131,6 +131,11 @@ class CopyDropped(RuntimeError):
     """The error a copy is acknowledged with when ``close(drain=False)`` dropped it before it ran."""
 
 
+class CopyFailedOnPeer(RuntimeError):
+    """The error a copy that completed here is acknowledged with when the same copy failed on another
+    TP rank: every rank rolls it back, so the ranks' trees stay the same."""
+
+
 class CopyError(RuntimeError):
     """Copies failed. Raised by the tree's ack processing (``check_writes``, ``check_loads``, ``flush``,
     ``close``) *after* it rolled the nodes of every failed copy back, so the cache is consistent.
@@ -418,10 +423,18 @@ class HiCacheController:
     def _finished(self, q: queue.Queue, kind: str) -> list[tuple[int, BaseException | None]]:
         # Works after close too: the owner must still take the acks of drained and dropped copies.
         n = self.agree_min(q.qsize())
+        acks = [q.get_nowait() for _ in range(n)]
+        if n and self.tp_group is not None:
+            # A copy that failed on any rank counts as failed on every rank (MAX of the failure flags):
+            # each rolls it back, and the trees stay alike.
+            failed = torch.tensor([int(error is not None) for _, error in acks], dtype=torch.int64)
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+            peer = CopyFailedOnPeer(f"a {kind} failed on another TP rank; rolled back here too")
+            flags = failed.tolist()
+            acks = [(ids, peer if error is None and f else error) for (ids, error), f in zip(acks, flags, strict=True)]
         out: list[tuple[int, BaseException | None]] = []
         outstanding = self._outstanding[kind]
-        for _ in range(n):
-            node_ids, error = q.get_nowait()
+        for node_ids, error in acks:
             for node_id in node_ids:
                 out.append((node_id, error))
                 outstanding[node_id] -= 1

@@ -613,6 +613,7 @@ class HiRadixCache(CopyAcks, StorageOps):
         # write-back's host eviction) the host-only nodes we are about to load.
         self.inc_lock_ref(node)
         device = None
+        failed: BaseException | None = None
         try:
             available = self.device_pool.available_size()
             # Evict only when that can make enough room: a load-back that cannot fit changes nothing.
@@ -621,7 +622,12 @@ class HiRadixCache(CopyAcks, StorageOps):
                 if device is None:
                     self.evict(total - available)
                     device = self.device_pool.alloc(total)
-            loading = self.controller.agree_min(device is not None)
+        except Exception as exc:  # raised below, after the collective every rank must issue
+            failed = exc
+        try:
+            loading = self.controller.agree_min(device is not None and failed is None)
+            if failed is not None:
+                raise failed
             if loading:
                 host = torch.cat([n.host_value for n in path])
                 self.controller.load(host, device, node.id)  # the lock taken above is released by its ack

@@ -1,0 +1,180 @@
+"""Tensor-parallel faults: a copy that fails on ONE rank only, and an error inside ``load_back`` on one
+rank only. Two CPU ranks (gloo, spawned processes) run the same operations; the failure is injected on
+rank 1. The failed copy must be rolled back on both ranks (the ranks' trees stay the same: a later
+decision cannot differ and leave one rank waiting in a collective), and a rank that raises inside
+``load_back`` must still take part in the decision's collective (no hang)."""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hicache import CopyError, CopyFailedOnPeer
+
+from test_cache_stress import build, insert_seq, state_of
+
+WORLD = 2
+TIMEOUT_S = 300  # a hang detector, not a speed limit
+TOKENS = list(range(100, 124))
+
+
+def fail_on(cache, kind: str) -> None:
+    """Make every ``kind`` copy ("write" or "load") of ``cache``'s controller raise."""
+    inner = cache.controller._execute
+
+    def execute(op):
+        if op.kind == kind:
+            raise OSError(f"injected {kind} failure")
+        return inner(op)
+
+    cache.controller._execute = execute
+
+
+def scenario_write(rank: int, group) -> dict:
+    cache = build(tp_group=group)
+    if rank == 1:
+        fail_on(cache, "write")
+    insert_seq(cache, TOKENS)  # write-through: the backup is submitted (inline: acked at once)
+    with pytest.raises(CopyError) as err:
+        cache.check_writes()
+    causes = [type(e).__name__ for _, _, e in err.value.failures]
+    cache.verify()
+    state = state_of(cache)
+    cache.close()
+    return dict(state=state, causes=causes, failed=cache.metrics.writes_failed)
+
+
+def scenario_load(rank: int, group) -> dict:
+    cache = build(tp_group=group)
+    insert_seq(cache, TOKENS)
+    cache.flush()
+    cache.evict(cache.device_pool.size)
+    if rank == 1:
+        fail_on(cache, "load")
+    m = cache.match_prefix(TOKENS)
+    assert m.host_hit_length == len(TOKENS)
+    assert cache.load_back(m.last_host_node) is not None
+    cache.start_loading()
+    with pytest.raises(CopyError) as err:
+        cache.flush()
+    causes = [type(e).__name__ for _, _, e in err.value.failures]
+    cache.verify()
+    after = cache.match_prefix(TOKENS)  # the lost device copy is gone: the prefix is host-only again
+    state = state_of(cache)
+    cache.close()
+    return dict(state=state, causes=causes, device_hit=len(after.device_indices), host_hit=after.host_hit_length)
+
+
+def scenario_load_back_raises(rank: int, group) -> dict:
+    """The device pool is full, so ``load_back`` must evict; on rank 1 eviction raises. Rank 1 raises,
+    rank 0 is told the load-back is off (the collective happened on both), and both carry on."""
+    cache = build(tp_group=group, device_slots=24)
+    insert_seq(cache, TOKENS)
+    cache.flush()
+    cache.evict(cache.device_pool.size)
+    other = list(range(300, 324))
+    insert_seq(cache, other)  # fills the device pool again
+    cache.flush()
+    if rank == 1:
+
+        def evict(n):
+            raise RuntimeError("injected eviction failure")
+
+        cache.evict = evict
+    m = cache.match_prefix(TOKENS)
+    outcome = "loaded"
+    try:
+        if cache.load_back(m.last_host_node) is None:
+            outcome = "skipped"
+    except RuntimeError as exc:
+        outcome = f"raised: {exc}"
+    if rank == 1:
+        del cache.evict
+    # Both ranks go on with the same collectives: a hang here would mean one skipped the decision's.
+    cache.flush()
+    cache.verify()
+    state = state_of(cache)
+    cache.close()
+    return dict(state=state, outcome=outcome)
+
+
+SCENARIOS = {"write": scenario_write, "load": scenario_load, "load_back_raises": scenario_load_back_raises}
+
+
+def rank_main(rank: int, init_file: str, out) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        results = {name: fn(rank, dist.group.WORLD) for name, fn in SCENARIOS.items()}
+        dist.barrier()
+        dist.destroy_process_group()
+        out.put((rank, "ok", results))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def tp_faults(tmp_path_factory) -> dict[int, dict]:
+    init_file = str(tmp_path_factory.mktemp("tpf") / "store")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, init_file, out), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    errors = []
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while len(results) + len(errors) < WORLD:
+            try:
+                rank, status, payload = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"TP ranks did not finish within {TIMEOUT_S} s (hang?); got ranks {sorted(results)}")
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                deadline = min(deadline, time.monotonic() + 70)  # the other rank may wait out a collective
+        if errors:
+            pytest.fail("\n".join(errors))
+    finally:
+        for p in procs:
+            p.join(timeout=max(1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    return results
+
+
+def test_a_backup_failing_on_one_rank_is_rolled_back_on_both(tp_faults):
+    a, b = tp_faults[0]["write"], tp_faults[1]["write"]
+    assert b["causes"] == ["OSError"] and a["causes"] == [CopyFailedOnPeer.__name__]
+    assert a["failed"] == b["failed"] == 1
+    assert a["state"] == b["state"]
+    assert all(host is None for _, _, host, *_ in a["state"]["nodes"])  # device-only on both
+
+
+def test_a_load_failing_on_one_rank_is_rolled_back_on_both(tp_faults):
+    a, b = tp_faults[0]["load"], tp_faults[1]["load"]
+    assert b["causes"] == ["OSError"] and a["causes"] == [CopyFailedOnPeer.__name__]
+    assert a["state"] == b["state"]
+    assert a["device_hit"] == b["device_hit"] == 0 and a["host_hit"] == b["host_hit"] == len(TOKENS)
+
+
+def test_an_error_inside_load_back_on_one_rank_does_not_hang_the_other(tp_faults):
+    """The raising rank changed nothing; the other had evicted to make room before the (agreed) no,
+    so device residency differs: a rank-local error is the caller's to treat as fatal, but it is
+    reported on its rank and no rank is left waiting in a collective (both went on to flush)."""
+    a, b = tp_faults[0]["load_back_raises"], tp_faults[1]["load_back_raises"]
+    assert a["outcome"] == "skipped" and b["outcome"] == "raised: injected eviction failure"
+    host = [(path, host) for path, _, host, *_ in a["state"]["nodes"]]
+    assert host == [(path, host) for path, _, host, *_ in b["state"]["nodes"]]  # the same host tier
+    assert a["state"]["host_state"] == b["state"]["host_state"]
