@@ -186,6 +186,18 @@ def test_fast_path_agrees_with_the_exact_one():
     b = Engine(fast, CFG.pool(128, PAGE)).generate(list(range(10, 40)), 6)
     assert a.tokens == b.tokens
     assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    # A prefill after a cached prefix (its mask offset by the prefix) and a batch beside a decode step.
+    pool = CFG.pool(256, PAGE)
+    with make_cache(pool, threaded=False) as cache:
+        engine = Engine(fast, pool, cache)
+        first = engine.generate(list(range(10, 40)), 6)
+        turn = list(range(10, 40)) + first.tokens + list(range(50, 61))
+        got = engine.generate_batch([turn, list(range(70, 83))], 4)
+        assert got[0].device_hit > 0
+    for prompt, g in zip([turn, list(range(70, 83))], got, strict=True):
+        want = Engine(exact, CFG.pool(256, PAGE)).generate(prompt, 4)
+        assert g.tokens == want.tokens
+        assert torch.allclose(g.logits, want.logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mla", [False, True])

@@ -27,6 +27,9 @@ from .pools import DeviceKVPool
 
 __all__ = ["ModelConfig", "TinyLM"]
 
+# SDPA groups query heads over fewer K/V heads itself (no repeated K/V copies) from torch 2.5 on.
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -174,8 +177,9 @@ class TinyLM:
                     pk, pv = pool.k[li], pool.v[li]
                     pk[slots[start : start + m]] = new[0][row : row + m].view(m, cfg.num_kv_heads, d)
                     pv[slots[start : start + m]] = new[1][row : row + m].view(m, cfg.num_kv_heads, d)
-                    keys = pk[slots[: start + m]].repeat_interleave(group, dim=1)  # [S, Hq, d]
-                    vals = pv[slots[: start + m]].repeat_interleave(group, dim=1)
+                    keys, vals = pk[slots[: start + m]], pv[slots[: start + m]]  # [S, Hkv, d]
+                    if cfg.exact or not _SDPA_GQA:  # every query head its K/V head's copy: [S, Hq, d]
+                        keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
                 outs.append(self._attend(q, keys, vals, start, scale))
                 row += m
             out = torch.cat(outs)
@@ -190,7 +194,8 @@ class TinyLM:
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, scale: float
     ) -> torch.Tensor:
-        """Causal attention of queries at positions ``start ..`` over ``keys``/``vals`` ``[S, Hq, d]``."""
+        """Causal attention of queries at positions ``start ..`` over ``keys``/``vals`` ``[S, H, d]``
+        (``H`` the query heads, or on the fast path the K/V heads, which SDPA groups itself)."""
         cfg = self.cfg
         m = len(q)
         if cfg.exact:
@@ -200,10 +205,12 @@ class TinyLM:
                 p = torch.softmax((q[i][None] * keys[:s]).sum(-1) * scale, dim=0)  # [s, Hq]
                 out[i] = (p[..., None] * vals[:s]).sum(0)
             return out
-        causal = (
-            torch.arange(start + m, device=self.device)[None]
-            <= (torch.arange(start, start + m, device=self.device)[:, None])
-        )
+        kw: dict = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
+        if m > 1:  # a decode step's one query sees every key: no mask
+            kw["attn_mask"] = (
+                torch.arange(start + m, device=self.device)[None]
+                <= torch.arange(start, start + m, device=self.device)[:, None]
+            )
         return torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=causal
+            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), **kw
         ).transpose(0, 1)
