@@ -10,7 +10,11 @@
 #           memcheck on the smoke set -> pcie --quick -> bench --quick (interference, overlap, auto)
 #           -> the serving benchmark on the GPU (hicache.bench_serving: TTFT per mode, 8B-like layers)
 #
-#   bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--budget SECONDS] OUT_DIR
+#   bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--only STEP,...] [--budget SECONDS] OUT_DIR
+#
+# --only: run just the named steps of the stage(s) (e.g. --stage 2 --only bench-serving when little
+# time is left); the others are listed as skipped. Stage 2 builds first when the extension is not built
+# (a fresh machine), and skips that step otherwise.
 #
 # Every step has its own time limit, clipped to what is left of --budget (default 480 s of wall time
 # for the whole script); a step that would start with less than 20 s left is not started. Results go
@@ -32,12 +36,14 @@ set -uo pipefail
 DRY=0
 STAGE=all
 BUDGET=480
+ONLY=
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY=1 ;;
     --stage) STAGE=${2:?--stage needs 1, 2 or all}; shift ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
-    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+    --only) ONLY=${2:?--only needs step names, comma-separated}; shift ;;
+    -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -46,6 +52,11 @@ done
 OUT=${1:?usage: bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--budget SECONDS] OUT_DIR}
 case $STAGE in 1 | 2 | all) ;; *) echo "gpu_check.sh: --stage must be 1, 2 or all, got $STAGE" >&2; exit 2 ;; esac
 case $BUDGET in '' | *[!0-9]*) echo "gpu_check.sh: --budget must be whole seconds, got $BUDGET" >&2; exit 2 ;; esac
+ALL_STEPS=",build,info,gpu-smoke,bench-core,targets,host-overhead,bench-designs,gpu-tests,sanitizer,pcie-quick,\
+bench-quick,serving-args,bench-serving,"
+for s in ${ONLY//,/ }; do
+  [[ $ALL_STEPS == *",$s,"* ]] || { echo "gpu_check.sh: --only: no step named $s (steps:${ALL_STEPS//,/ })" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -88,6 +99,10 @@ write_summary() {
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    STEPS+=("$(printf '%-16s %-22s' "$name" 'SKIPPED (--only)')")
+    return 0
+  fi
   local left=$((BUDGET - (SECONDS - START)))
   if [ $left -lt 20 ]; then
     STEPS+=("$(printf '%-16s %-22s' "$name" 'NOT RUN (budget spent)')")
@@ -126,6 +141,10 @@ if [ "$STAGE" != 2 ]; then
     --refcheck --json "$OUT/bench_designs.json"
 fi
 if [ "$STAGE" != 1 ]; then
+  if [ "$STAGE" = 2 ] && ! $PY -c 'import sys, hicache_kernels as h; sys.exit(0 if h.build_info()["cuda_built"] else 1)' \
+    >>"$LOG" 2>&1; then
+    step build 180 $PY -m pip install --no-build-isolation --no-deps -e .  # a fresh machine: stage 1 built elsewhere
+  fi
   step gpu-tests 240 "${PYTEST[@]}" -rf -m gpu --maxfail=30 --timeout=60 tests
   if [ $DRY = 1 ]; then
     if command -v compute-sanitizer >/dev/null 2>&1; then SAN=found; else SAN="not found here"; fi

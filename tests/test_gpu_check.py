@@ -93,6 +93,7 @@ def test_a_failing_step_fails_the_run_and_later_steps_still_run(tmp_path):
         (["--stage", "3", "x"], "--stage must be 1, 2 or all"),
         (["--budget", "ten", "x"], "--budget must be whole seconds"),
         (["--fast", "x"], "unknown option --fast"),
+        (["--only", "bench-servin", "x"], "--only: no step named bench-servin"),
         ([], "usage:"),
     ],
 )
@@ -100,6 +101,21 @@ def test_bad_options_are_refused(tmp_path, args, message):
     proc = run_check(*args, cwd=tmp_path)
     assert proc.returncode == 2 or (not args and proc.returncode != 0)
     assert message in proc.stderr
+
+
+@needs_cpu
+def test_only_runs_the_named_steps(tmp_path):
+    """--only: the named steps run, every other is listed as skipped; stage 2 on a machine whose
+    extension is built does not build again."""
+    out = tmp_path / "out"
+    proc = run_check("--dry-run", "--stage", "2", "--only", "pcie-quick,bench-serving", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = step_lines((out / "summary.txt").read_text())
+    assert set(lines) == set(STAGE2)
+    for name, line in lines.items():
+        assert (" ok " in line) == (name in ("pcie-quick", "bench-serving")), line
+        assert ("SKIPPED (--only)" in line) == (name not in ("pcie-quick", "bench-serving")), line
+    assert {p.name for p in out.iterdir()} == {"gpu_check.log", "summary.txt", "pcie.json", "serving.json"}
 
 
 @needs_cpu
