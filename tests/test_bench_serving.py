@@ -117,3 +117,19 @@ def test_serving_target_and_cpu_ordering():
     runs[2]["ttft_p50_s"], runs[2]["host_hit_rate"] = 5.0, 0.0
     assert cpu_ordering(runs) == {"hit_rate_above_device_only": False, "ttft_p50_below_recompute": False}
     assert cpu_ordering(runs[:2]) == {"hit_rate_above_device_only": None, "ttft_p50_below_recompute": None}
+
+
+@pytest.mark.parametrize("io_backend", ["direct", "staged", "triton"])
+def test_every_mode_answers_as_recompute(tmp_path, io_backend):
+    """The quick multi-turn workload through every mode with each io-backend usable on CPU (Triton under
+    its interpreter): the exact model's answers are the same in every mode, turn by turn, whatever
+    tier each prompt came from."""
+    out = tmp_path / "serving.json"
+    assert main(["--quick", "--io-backend", io_backend, "--no-progress", "--json", str(out)]) == 0
+    res = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    want = {(r["client"], r["round"]): r["answer"] for r in res["recompute"]["rows"]}
+    assert len(want) == 32 and all(len(a) == 4 for a in want.values())
+    for mode in MODES[1:]:
+        got = {(r["client"], r["round"]): r["answer"] for r in res[mode]["rows"]}
+        assert got == want, mode
+    assert res["hierarchical"]["host_hit_tokens"] > 0

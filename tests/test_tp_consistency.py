@@ -11,7 +11,6 @@ block CI.
 from __future__ import annotations
 
 import datetime
-import queue
 import random
 import threading
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tpharness import run_ranks
 
 from hicache import SlotState
 from hicache.storage import FileBackend
@@ -245,37 +245,8 @@ def rank_main(rank: int, init_file: str, names: list[str], out: mp.Queue) -> Non
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> dict[int, dict]:
     init_file = str(tmp_path_factory.mktemp("tp") / "store")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, init_file, list(SCENARIOS), out), daemon=True) for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    errors = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(results) + len(errors) < WORLD:
-            try:
-                rank, status, payload = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"TP ranks did not finish within {TIMEOUT_S} s (hang?); got ranks {sorted(results)}")
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                deadline = min(deadline, time.monotonic() + 10)  # the other rank may be stuck in a collective
-        if errors:
-            pytest.fail("\n".join(errors))
-    finally:
-        for p in procs:
-            p.join(timeout=max(1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
+    # After one rank's error the other may be stuck in a collective: 10 s for it to report.
+    return run_ranks(rank_main, (init_file, list(SCENARIOS)), WORLD, TIMEOUT_S, grace_s=10)
 
 
 TP_NAMES = [n for n, sc in SCENARIOS.items() if sc["group"] is not None]

@@ -7,14 +7,12 @@ decision cannot differ and leave one rank waiting in a collective), and a rank t
 from __future__ import annotations
 
 import datetime
-import queue
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from tpharness import run_ranks
 
 from hicache import CopyError, CopyFailedOnPeer
 
@@ -124,34 +122,7 @@ def rank_main(rank: int, init_file: str, out) -> None:
 @pytest.fixture(scope="module")
 def tp_faults(tmp_path_factory) -> dict[int, dict]:
     init_file = str(tmp_path_factory.mktemp("tpf") / "store")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, init_file, out), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    errors = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(results) + len(errors) < WORLD:
-            try:
-                rank, status, payload = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"TP ranks did not finish within {TIMEOUT_S} s (hang?); got ranks {sorted(results)}")
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                deadline = min(deadline, time.monotonic() + 70)  # the other rank may wait out a collective
-        if errors:
-            pytest.fail("\n".join(errors))
-    finally:
-        for p in procs:
-            p.join(timeout=max(1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-    return results
+    return run_ranks(rank_main, (init_file,), WORLD, TIMEOUT_S, grace_s=70)  # a collective times out at 60 s
 
 
 def test_a_backup_failing_on_one_rank_is_rolled_back_on_both(tp_faults):

@@ -158,16 +158,22 @@ def pctl(xs: list[float], p: float) -> float:
 
 
 class _Progress(Clients):
-    """:class:`Clients` that prints ``mode: done/total`` on stderr as requests finish."""
+    """:class:`Clients` that draws a progress bar per mode on stderr as requests finish."""
+
+    WIDTH = 30
 
     def __init__(self, turns: list[Turn], prompt_of, max_parallel: int, mode: str) -> None:
         super().__init__(turns, prompt_of, max_parallel)
         self.mode, self.total, self.done = mode, len(turns), 0
+        self.t0 = time.perf_counter()
 
     def finished(self, result: GenerationResult) -> None:
         super().finished(result)
         self.done += 1
-        print(f"\r{self.mode:>12}: {self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+        fill = self.WIDTH * self.done // self.total
+        bar = "#" * fill + "." * (self.WIDTH - fill)
+        print(f"\r{self.mode:>12} [{bar}] {self.done}/{self.total} requests, {time.perf_counter() - self.t0:.1f} s",
+              end="", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Turn], prompt_of, slots: int,
@@ -210,7 +216,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
     rows = [{"client": r.rid[0], "round": r.rid[1], "arrival_s": r.arrival_s, "prompt": r.device_hit + r.host_hit
              + r.computed, "ttft_s": r.ttft_s, "queued_s": r.queued_s, "total_s": r.total_s,
              "device_hit": r.device_hit, "host_hit": r.host_hit, "computed": r.computed,
-             "load_wait_s": r.load_wait_s, "batch": r.extra["batch"]} for r in results]  # fmt: skip
+             "load_wait_s": r.load_wait_s, "batch": r.extra["batch"], "answer": r.tokens} for r in results]  # fmt: skip
     ttft = [r["ttft_s"] for r in rows]
     prompt_tokens = sum(r["prompt"] for r in rows)
     span = max(r.arrival_s + r.total_s for r in results)
@@ -344,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch CPU threads for the model (default 1: the cache's copy threads then do not "
                         "fight the model for a small machine's cores)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a small run (under two minutes on 2 CPU cores)")
-    p.add_argument("--progress", action="store_true", help="a progress line per mode on stderr")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar per mode on stderr (default: when stderr is a terminal)")  # fmt: skip
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png")
     a = p.parse_args(argv)
@@ -352,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         a.clients, a.rounds, a.system_len, a.turn_len, a.output_len = 8, 4, 32, 12, 4
         a.doc_len, a.questions = min(a.doc_len, 192), min(a.questions, 8)
         a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim = 2, 32, 4, 2, 8
+    if a.progress is None:
+        a.progress = sys.stderr.isatty()
     for name in ("clients", "rounds", "output_len", "page_size", "questions", "max_parallel"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1")
