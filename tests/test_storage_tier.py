@@ -357,6 +357,7 @@ def test_best_effort_admits_at_once(tmp_path):
 def test_host_eviction_waits_for_the_storage_backup_device_eviction_does_not(tmp_path):
     """A storage backup in flight host-pins its node: its host copy stays (the backend reads it), but
     its device copy may go at once (a slow store must not hold device memory)."""
+
     class SlowSet(FileBackend):
         def __init__(self, path) -> None:
             super().__init__(path)

@@ -158,18 +158,8 @@ class _PagedSlots:
         return pages
 
     def free_pages(self, method: str, slots: torch.Tensor, reasons: dict[SlotState, str]) -> None:
-        """``RESERVED -> FREE`` of whole pages (the device pool's free), all or nothing: O(n) checks and
-        page-indexed updates on the usual input (whole pages in order, as alloc gave them); anything
-        else goes through :meth:`transition`, which accepts or names the fault the same way."""
-        if isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int64, torch.int32):
-            s = slots.detach().cpu().numpy().astype(np.int64, copy=False)
-            with self._lock:
-                pages = self._whole_pages(s) if s.size else None
-                if pages is not None:
-                    if not np.count_nonzero(self._states[s] != _RESERVED):
-                        self._page_states[pages] = _FREE
-                        self._push(pages)
-                        return
+        """``RESERVED -> FREE`` of whole pages (the device pool's free), all or nothing, as
+        :meth:`transition` with ``whole_pages``."""
         self.transition(method, slots, (SlotState.RESERVED,), SlotState.FREE, reasons, whole_pages=True)
 
     def _push(self, pages: np.ndarray) -> None:
@@ -189,8 +179,26 @@ class _PagedSlots:
         whole_pages: bool = False,
     ) -> None:
         """Move every slot from one of ``sources`` to ``target``, all or nothing; ``target`` FREE releases
-        the slots' pages to the free stack."""
+        the slots' pages to the free stack.
+
+        The usual input (whole pages, each in order, as alloc hands them out and the tree keeps them)
+        takes O(n) checks and page-indexed updates, no sort; anything else, or any wrong state, goes
+        through the full parse, which accepts it or names the fault the same way."""
+        quick = isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int64, torch.int32)
         with self._lock:
+            if quick:
+                s = slots.detach().cpu().numpy().astype(np.int64, copy=False)  # CUDA slots: one sync
+                pages = self._whole_pages(s) if s.size else None
+                if pages is not None:
+                    cur = self._page_states[pages]
+                    ok = cur == np.uint8(sources[0])
+                    for src in sources[1:]:
+                        ok |= cur == np.uint8(src)
+                    if ok.all():
+                        self._page_states[pages] = np.uint8(target)
+                        if target == SlotState.FREE:
+                            self._push(pages)
+                        return
             s = self._parse(method, slots, whole_pages)
             if s.size == 0:
                 return
