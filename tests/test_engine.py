@@ -479,3 +479,49 @@ def test_serve_lets_requests_pass_a_slow_prefetch(tmp_path):
         second.flush()
         second.verify()
     check_against_recompute(model, asked, results)
+
+
+def test_serve_waits_for_prefetches_before_calling_the_pool_too_small(tmp_path):
+    """Nothing runs and the head request does not fit because a prefetch in flight locks the device
+    copy eviction would take: the loop waits for the prefetch (then serves both) instead of raising
+    MemoryError."""
+    import threading
+    import time
+
+    from hicache.engine import Request
+
+    model = TinyLM(CFG)
+    policy = PrefetchPolicy("wait_complete", threshold_tokens=PAGE)
+    r = random.Random(9)
+    x = [r.randrange(CFG.vocab) for _ in range(24)]
+    y = [r.randrange(CFG.vocab) for _ in range(16)]
+    pool = CFG.pool(200, PAGE)
+    with make_cache(pool, storage=FileBackend(tmp_path), model_id="tiny", prefetch_policy=policy) as first:
+        Engine(model, pool, first).generate(x + y + [5], 1)  # x and y go to the store
+        first.flush()
+    gate = threading.Event()
+
+    class GatedStore(FileBackend):
+        def batch_get_into(self, keys, host_slots):
+            assert gate.wait(30)
+            return super().batch_get_into(keys, host_slots)
+
+    def idle(s):  # the loop waits: now the store may answer
+        gate.set()
+        time.sleep(s)
+
+    pool = CFG.pool(48, PAGE)
+    with make_cache(pool, storage=GatedStore(tmp_path), model_id="tiny", prefetch_policy=policy) as second:
+        engine = Engine(model, pool, second)
+        gate.set()
+        engine.generate(x + [7], 1)  # x on the device (and host) now, unlocked: 24 of 48 slots
+        second.flush()
+        gate.clear()
+        reqs = [Request(x + y + [1, 2, 3], 2, 0.0, "prefetch"), Request([r.randrange(CFG.vocab) for _ in range(31)],
+                                                                       2, 0.0, "fresh")]  # fmt: skip
+        results = engine.serve(reqs, max_running=2, idle=idle)
+        assert sorted(res.rid for res in results) == ["fresh", "prefetch"]
+        assert {res.rid: res for res in results}["prefetch"].host_hit >= 16
+        second.flush()
+        second.verify()
+    check_against_recompute(model, reqs, results)

@@ -297,6 +297,9 @@ class Engine:
                         if cache is not None:
                             cache.flush()
                         new = self._admit_some(waiting, running, max_running, max_prefill_tokens, now)
+                        if not new and prefetching:  # their locks may be what keeps the room: wait for them
+                            idle(0.0002)
+                            continue
                         if not new:
                             req = waiting[0]
                             raise MemoryError(
