@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hicache.bench_tree import Workload, main, make_requests
 from hicache.tree_core import compiled_core_status
 
@@ -46,6 +48,22 @@ def test_bench_tree_writes_json_with_the_workloads_hit_rate(tmp_path):
         for h in runs:  # both cores: the workload's exact hit rate
             assert h["requests_per_s"] > 0 and len(h["times_s"]) == 2 and "sglang" not in row
             assert h["hit_rate"] == reference_hits(requests, row["page_size"]) / total
+
+
+def test_bench_tree_slot_cycle(tmp_path, capsys):
+    """The slot bookkeeping timing: one row per size, leaves the pools balanced (a second run of the
+    same cycle would fail on a leaked or wrongly stated slot); bad sizes refused."""
+    from hicache.bench_tree import slot_cycle
+
+    rows = slot_cycle([16, 64], cycles=3, repeats=2)
+    assert [(r["slots"], r["page_size"]) for r in rows] == [(16, 16), (64, 16)]
+    assert all(r["us_per_cycle"] > 0 for r in rows)
+    out = tmp_path / "tree.json"
+    assert main([*TINY, "--no-sglang", "--tree-core", "python", "--slot-sizes", "32", "--json", str(out)]) == 0
+    assert [r["slots"] for r in json.loads(out.read_text())["slot_cycle"]] == [32]
+    with pytest.raises(SystemExit):
+        main([*TINY, "--slot-sizes", "20"])
+    assert "--slot-sizes: expected multiples of 16" in capsys.readouterr().err
 
 
 def test_bench_tree_one_core(tmp_path):

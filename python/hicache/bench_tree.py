@@ -17,6 +17,9 @@ starting from one of ``system_prompts`` shared system prompts; turn ``t`` sends 
 (system prompt, every earlier question and answer) plus a new question. Requests are issued in a
 seeded interleaving that keeps each chat's turns in order.
 
+Also timed: the slot bookkeeping one request's copies cost in the host pool (alloc, the backup's and
+the load-back's state changes, free) for ``--slot-sizes`` slots.
+
 Run ``python -m hicache.bench_tree [--json PATH]``; ``--help`` lists the knobs.
 """
 
@@ -176,6 +179,30 @@ def measure(run: Callable[[list[list[int]]], int], requests: list[list[int]], re
     }
 
 
+def slot_cycle(sizes: list[int], page_size: int = 16, cycles: int = 100, repeats: int = 5) -> list[dict[str, Any]]:
+    """Host time of the slot bookkeeping one request's copies cost: alloc, the backup's two state
+    changes (WRITING, SYNCED), the load-back's two (LOADING, SYNCED) and free, of ``size`` host slots
+    (whole pages, as the tree passes them); best of ``repeats`` runs of ``cycles`` cycles, per cycle."""
+    rows = []
+    for size in sizes:
+        dev = DeviceKVPool(num_slots=-(-2 * size // page_size) * page_size, num_layers=1, head_num=1, head_dim=1,
+                           dtype=torch.float16, device="cpu", page_size=page_size)  # fmt: skip
+        host = HostKVPool(dev, layout="page_first", ratio=2.0)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(cycles):
+                h = host.alloc(size)
+                host.mark_writing(h)
+                host.mark_synced(h)
+                host.mark_loading(h)
+                host.mark_synced(h)
+                host.free(h)
+            best = min(best, (time.perf_counter() - t0) / cycles)
+        rows.append({"slots": size, "page_size": page_size, "us_per_cycle": best * 1e6})
+    return rows
+
+
 def cores_to_run(tree_core: str) -> list[str]:
     """The tree cores ``--tree-core`` asks for, the default one (what ``auto`` picks) first: ``both``
     adds the Python reference after the compiled core when that is available."""
@@ -244,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         "--tree-core", choices=["both", *TREE_CORES], default="both",
         help="which radix-tree core to time (both: the compiled one and the Python reference, when compiled)",
     )  # fmt: skip
+    p.add_argument("--slot-sizes", type=int, nargs="*", default=[256, 4096],
+                   help="also time one request's slot bookkeeping for these many host slots (page 16)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
+    if any(n < 16 or n % 16 for n in a.slot_sizes):
+        p.error("--slot-sizes: expected multiples of 16 (whole pages of 16 slots)")
     w = Workload(
         a.seed, a.conversations, a.turns, a.system_prompts, a.system_len, a.question_len, a.answer_len,
         fresh_tokens=not a.shared_token_objects,
@@ -273,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             if "python_core_speedup_vs_sglang" in row:
                 line += f"  -> {row['python_core_speedup_vs_sglang']:.2f}x SGLang"
             print(line)
+    out["slot_cycle"] = slot_cycle(a.slot_sizes, repeats=a.repeats)
+    for row in out["slot_cycle"]:
+        print(f"slots {row['slots']:>5} (page {row['page_size']}): alloc + 4 state changes + free "
+              f"{row['us_per_cycle']:7.1f} us per request")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
