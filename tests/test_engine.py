@@ -525,3 +525,24 @@ def test_serve_waits_for_prefetches_before_calling_the_pool_too_small(tmp_path):
         second.flush()
         second.verify()
     check_against_recompute(model, reqs, results)
+
+
+def test_serve_gives_back_the_locks_of_a_request_whose_admission_raised(monkeypatch):
+    """A load-back (or eviction) that raises while a request is being admitted: the error reaches the
+    caller and the locks that request had taken are released (nothing stays protected)."""
+    model = TinyLM(CFG)
+    pool = CFG.pool(64, PAGE)
+    reqs = staggered_requests(seed=2, n=12)
+    with make_cache(pool, threaded=False) as cache:
+        engine = Engine(model, pool, cache)
+
+        def load_back(node, mem_quota=None):
+            raise RuntimeError("injected load-back failure")
+
+        monkeypatch.setattr(cache, "load_back", load_back)
+        with pytest.raises(RuntimeError, match="injected load-back failure"):
+            engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
+        cache.flush()
+        cache.verify()
+        assert cache.protected_size() == 0
+        assert pool.available_size() + cache.evictable_size() == pool.size

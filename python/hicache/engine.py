@@ -195,24 +195,29 @@ class Engine:
             return None
         cache.inc_lock_ref(m.last_device_node)
         run.locked.append(m.last_device_node)
-        prefix = m.device_indices
-        # Room for everything past the device hit (a host hit loads into it, the rest is computed into
-        # it), made before anything is loaded: a request that cannot fit changes nothing but evictions.
-        if not self._room(need - len(prefix)):
-            cache.dec_lock_ref(m.last_device_node)
-            return None
-        run.device_hit = len(prefix)
-        if m.host_hit_length:
-            cache.inc_lock_ref(m.last_host_node)
-            run.locked.append(m.last_host_node)
-            loaded = cache.load_back(m.last_host_node)  # queued; started by the step's start_loading
-            if loaded is not None:
-                prefix = torch.cat([prefix, loaded])
-                run.host_hit = len(loaded)
-        run.prefix = len(prefix)
-        rest = self.pool.alloc(need - run.prefix)
-        if rest is None:  # cannot happen single-threaded (room was made above); never silently
-            raise RuntimeError(f"device pool: {need - run.prefix} slots made free, then not allocatable")
+        try:
+            prefix = m.device_indices
+            # Room for everything past the device hit (a host hit loads into it, the rest is computed
+            # into it), made before anything is loaded: a request that cannot fit changes nothing but
+            # evictions.
+            if not self._room(need - len(prefix)):
+                self._unwind([run])
+                return None
+            run.device_hit = len(prefix)
+            if m.host_hit_length:
+                cache.inc_lock_ref(m.last_host_node)
+                run.locked.append(m.last_host_node)
+                loaded = cache.load_back(m.last_host_node)  # queued; started by the step's start_loading
+                if loaded is not None:
+                    prefix = torch.cat([prefix, loaded])
+                    run.host_hit = len(loaded)
+            run.prefix = len(prefix)
+            rest = self.pool.alloc(need - run.prefix)
+            if rest is None:  # cannot happen single-threaded (room was made above); never silently
+                raise RuntimeError(f"device pool: {need - run.prefix} slots made free, then not allocatable")
+        except BaseException:  # an eviction or a load-back raised: the locks taken here go back
+            self._unwind([run])
+            raise
         run.slots = torch.cat([prefix, rest])
         return run
 
