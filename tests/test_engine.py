@@ -261,6 +261,15 @@ class FakeClock:
         monkeypatch.setattr(model, "forward_batch", forward_batch)
 
 
+def assert_nothing_held(cache, pool) -> None:
+    """After an error: every copy landed, the tree is consistent, nothing is locked, and every device
+    slot is free or in an evictable node (no request holds any)."""
+    cache.flush()
+    cache.verify()
+    assert cache.protected_size() == 0
+    assert pool.available_size() + cache.evictable_size() == pool.size
+
+
 def check_against_recompute(model: TinyLM, reqs: list, results: list) -> None:
     ref = Engine(model, model.cfg.pool(1024, PAGE))
     by_rid = {r.rid: r for r in results}
@@ -370,10 +379,7 @@ def test_serve_waits_for_room_and_refuses_what_never_fits(monkeypatch):
         big = Request(list(range(40)), 2, 0.0, "big")
         with pytest.raises(MemoryError, match="request 'big' needs 41 slots"):
             engine.serve([Request([1, 2, 3], 4, 0.0, "small"), big], max_running=2, clock=clock, idle=clock.idle)
-        cache.flush()
-        cache.verify()
-        assert cache.protected_size() == 0
-        assert pool.available_size() + cache.evictable_size() == pool.size
+        assert_nothing_held(cache, pool)
 
 
 def test_serve_gives_back_everything_when_a_forward_fails(monkeypatch):
@@ -396,10 +402,7 @@ def test_serve_gives_back_everything_when_a_forward_fails(monkeypatch):
         monkeypatch.setattr(model, "forward_batch", flaky)
         with pytest.raises(RuntimeError, match="injected forward failure"):
             engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
-        cache.flush()
-        cache.verify()
-        assert cache.protected_size() == 0
-        assert pool.available_size() + cache.evictable_size() == pool.size
+        assert_nothing_held(cache, pool)
         monkeypatch.setattr(model, "forward_batch", real)
         results = engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
         check_against_recompute(model, reqs, results)
@@ -542,7 +545,4 @@ def test_serve_gives_back_the_locks_of_a_request_whose_admission_raised(monkeypa
         monkeypatch.setattr(cache, "load_back", load_back)
         with pytest.raises(RuntimeError, match="injected load-back failure"):
             engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
-        cache.flush()
-        cache.verify()
-        assert cache.protected_size() == 0
-        assert pool.available_size() + cache.evictable_size() == pool.size
+        assert_nothing_held(cache, pool)

@@ -10,18 +10,15 @@ block CI.
 
 from __future__ import annotations
 
-import datetime
 import random
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tpharness import run_ranks
+from tpharness import rank_report, run_ranks
 
 from hicache import SlotState
 from hicache.storage import FileBackend
@@ -215,15 +212,7 @@ def run_scenario(rank: int, sc: dict, group, workdir: Path) -> dict:
 
 
 def rank_main(rank: int, init_file: str, names: list[str], out: mp.Queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=300),  # a collective one rank skipped fails, not hangs
-        )
+    def work() -> dict:
         results = {}
         for name in names:
             sc = SCENARIOS[name]
@@ -235,11 +224,9 @@ def rank_main(rank: int, init_file: str, names: list[str], out: mp.Queue) -> Non
             t0 = time.perf_counter()
             results[name] = run_scenario(rank, sc, group, Path(init_file).parent)
             results[name]["seconds"] = time.perf_counter() - t0
-        dist.barrier()
-        dist.destroy_process_group()
-        out.put((rank, "ok", results))
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
+        return results
+
+    rank_report(rank, WORLD, init_file, 300, out, work)  # a collective one rank skipped fails, not hangs
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,9 @@ decision cannot differ and leave one rank waiting in a collective), and a rank t
 
 from __future__ import annotations
 
-import datetime
-import traceback
-
 import pytest
-import torch
 import torch.distributed as dist
-from tpharness import run_ranks
+from tpharness import rank_report, run_ranks
 
 from hicache import CopyError, CopyFailedOnPeer
 
@@ -107,16 +103,8 @@ SCENARIOS = {"write": scenario_write, "load": scenario_load, "load_back_raises":
 
 
 def rank_main(rank: int, init_file: str, out) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
-        results = {name: fn(rank, dist.group.WORLD) for name, fn in SCENARIOS.items()}
-        dist.barrier()
-        dist.destroy_process_group()
-        out.put((rank, "ok", results))
-    except BaseException:
-        out.put((rank, "error", traceback.format_exc()))
+    work = lambda: {name: fn(rank, dist.group.WORLD) for name, fn in SCENARIOS.items()}  # noqa: E731
+    rank_report(rank, WORLD, init_file, 60, out, work)
 
 
 @pytest.fixture(scope="module")

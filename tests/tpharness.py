@@ -3,13 +3,33 @@
 
 from __future__ import annotations
 
+import datetime
 import queue
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def rank_report(rank: int, world: int, init_file: str, timeout_s: float, out: Any, work: Callable[[], Any]) -> None:
+    """In a rank's process: join the gloo group (``timeout_s``: a collective another rank skipped fails
+    instead of hanging), run ``work()``, meet the others, leave, and put ``(rank, "ok", result)`` on
+    ``out``; ``(rank, "error", traceback)`` if anything raised."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+        result = work()
+        dist.barrier()
+        dist.destroy_process_group()
+        out.put((rank, "ok", result))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
 
 
 def run_ranks(target: Callable[..., None], args: tuple, world: int, timeout_s: float, grace_s: float) -> dict:
