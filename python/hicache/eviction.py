@@ -92,10 +92,9 @@ class Eviction:
             leaves = [self._tree.node(i) for i in self._tree.core.leaves(1)]
         else:
             leaves = [n for n in self._nodes() if n.evicted and not n.children]
-        pins = self._host_pins
 
         def evictable(n: Any) -> bool:  # unlocked, and no storage backup reading its host copy
-            return n.lock_ref == 0 and n.id not in pins
+            return n.lock_ref == 0 and not self._host_pinned(n)
 
         heap = [(self.policy.key(n), n.id, n) for n in leaves if evictable(n)]
         heapq.heapify(heap)

@@ -53,10 +53,10 @@ class _PagedSlots:
 
     Free pages live in a numpy array used as a stack (``_stack[:_num_free]``, top at the end), so
     alloc and free move whole batches of pages with slicing instead of per-page Python loops. The
-    invariant: a page is on the stack iff all its slots are ``FREE``. Alloc and the device pool's free
-    update the states through a ``[pages, page_size]`` view (one index per page) and check repeats in
-    O(n) with a scratch array instead of sorting (``np.unique``), which only the general path of
-    :meth:`transition` (any slots, or whole pages given out of order) still does.
+    invariant: a page is on the stack iff all its slots are ``FREE``. Alloc and every transition of
+    whole pages in order update the states through a ``[pages, page_size]`` view (one index per page)
+    and check repeats in O(n) with a scratch array instead of sorting (``np.unique``), which only the
+    general path of :meth:`transition` (any slots, or whole pages given out of order) still does.
     """
 
     def __init__(self, size: int, page_size: int) -> None:
@@ -156,11 +156,6 @@ class _PagedSlots:
         if np.count_nonzero(self._scratch[pages] != idx):
             return None
         return pages
-
-    def free_pages(self, method: str, slots: torch.Tensor, reasons: dict[SlotState, str]) -> None:
-        """``RESERVED -> FREE`` of whole pages (the device pool's free), all or nothing, as
-        :meth:`transition` with ``whole_pages``."""
-        self.transition(method, slots, (SlotState.RESERVED,), SlotState.FREE, reasons, whole_pages=True)
 
     def _push(self, pages: np.ndarray) -> None:
         """Put distinct ``pages`` on the free stack, reversed and sorted so the next alloc takes them in

@@ -190,7 +190,9 @@ class DeviceKVPool:
         Raises ``ValueError`` (and frees nothing) for a slot out of range, repeated, not yet allocated
         (double free or never allocated), or a page given only in part.
         """
-        self._slots.free_pages("free", slots, {SlotState.FREE: "double free"})
+        self._slots.transition(
+            "free", slots, (SlotState.RESERVED,), SlotState.FREE, {SlotState.FREE: "double free"}, whole_pages=True
+        )
 
     def is_allocated(self, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Bool tensor: whether each of ``slots`` (default: every slot) is allocated."""

@@ -481,6 +481,16 @@ class MooncakeBackend(StorageBackend):
             n += 1
         return n
 
+    def _client_call(self, name: str, pages: list[list[tuple[int, int]]]) -> tuple[Callable[..., Any], str, tuple]:
+        """The client method for ``pages`` (each key's ``(address, bytes)`` ranges) and its buffer
+        arguments: ``name`` with one buffer per key when every page is one range, else
+        ``name_multi_buffers`` with a list of ranges per key."""
+        if all(len(r) == 1 for r in pages):
+            return getattr(self._store, name), name, ([r[0][0] for r in pages], [r[0][1] for r in pages])
+        multi = f"{name}_multi_buffers"
+        args = ([[a for a, _ in r] for r in pages], [[n for _, n in r] for r in pages])
+        return getattr(self._store, multi), multi, args
+
     def batch_get_into(self, keys: Sequence[str], host_slots: torch.Tensor) -> list[bool]:
         pages = self._batch_pages("batch_get_into", keys, host_slots)
         if not pages:
@@ -488,12 +498,7 @@ class MooncakeBackend(StorageBackend):
         if not self._multi and any(len(r) > 1 for r in pages):
             return super().batch_get_into(keys, host_slots)  # an old client: copy through get()
         keys, nbytes = list(keys), self.host_pool.page_bytes
-        if all(len(r) == 1 for r in pages):
-            fn, what = self._store.batch_get_into, "batch_get_into"
-            args = ([r[0][0] for r in pages], [r[0][1] for r in pages])
-        else:
-            fn, what = self._store.batch_get_into_multi_buffers, "batch_get_into_multi_buffers"
-            args = ([[a for a, _ in r] for r in pages], [[n for _, n in r] for r in pages])
+        fn, what, args = self._client_call("batch_get_into", pages)
 
         def late(_: Any) -> None:  # its host slots were busy until now (slots_busy): nothing else was there
             self._count(late_gets=1)
@@ -532,12 +537,7 @@ class MooncakeBackend(StorageBackend):
             if first:
                 todo = list(first.values())
                 put_keys = [keys[i] for i in todo]
-                if all(len(pages[i]) == 1 for i in todo):
-                    fn, what = self._store.batch_put_from, "batch_put_from"
-                    args = ([pages[i][0][0] for i in todo], [pages[i][0][1] for i in todo])
-                else:
-                    fn, what = self._store.batch_put_from_multi_buffers, "batch_put_from_multi_buffers"
-                    args = ([[a for a, _ in pages[i]] for i in todo], [[n for _, n in pages[i]] for i in todo])
+                fn, what, args = self._client_call("batch_put_from", [pages[i] for i in todo])
 
                 def late(codes: Any) -> None:  # the caller was told False: take back what was stored
                     self._count(late_sets=1)
