@@ -5,7 +5,7 @@ slot) whose message starts with the argument's name; nothing is written before t
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,47 @@ def check_memory(t: torch.Tensor, name: str) -> None:
     if t.device.type not in ("cpu", "cuda"):
         why = " (meta tensors hold no memory)" if t.device.type == "meta" else ""
         raise ValueError(f"{name}: expected a tensor on the CPU or a CUDA device, got one on {t.device}{why}")
+
+
+# A tensor's memory for the overlap check: [first byte, end byte) and the argument's name. CPU and CUDA
+# addresses share one space (CUDA's unified addressing: pinned host memory is seen by kernels at its
+# host address, and no device allocation overlaps a host one), so spans of any devices are compared.
+Span = tuple[int, int, str]
+
+
+def tensor_span(t: torch.Tensor, name: str) -> Span | None:
+    """The bytes ``t`` addresses, ``[data_ptr, data_ptr + extent)`` over its strides; None when empty."""
+    if t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return (start, start + t.nbytes, name)
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))  # torch strides are >= 0
+    return (start, start + (last + 1) * t.element_size(), name)
+
+
+def check_disjoint(sources: Iterable[Span | None], destinations: Iterable[Span | None]) -> None:
+    """ValueError, naming both arguments, when a destination's bytes overlap a source's.
+
+    The kernels read sources through the non-coherent cache (``ld.global.nc``), which assumes the
+    memory is not written while the kernel runs: a copy onto (part of) its own source is undefined, so
+    it is refused before anything is written. Ranges, not slots: a source and a destination that share
+    any byte are refused, whatever the indices. One sort of the spans (O(n log n)).
+    """
+    spans = sorted((*span, side) for side, group in enumerate((sources, destinations)) for span in group if span)
+    furthest: list[tuple | None] = [None, None]  # per side, the span seen so far that reaches furthest
+    for span in spans:
+        start, end, name, side = span
+        other = furthest[1 - side]
+        if other is not None and other[1] > start:
+            src, dst = (other, span) if side else (span, other)
+            raise ValueError(
+                f"{dst[2]}: its memory [{dst[0]:#x}, {dst[1]:#x}) overlaps {src[2]}'s [{src[0]:#x}, {src[1]:#x}); "
+                "a transfer's source and destination must not share memory (the kernels read sources through "
+                "the non-coherent cache, ld.global.nc: a copy onto its own source is undefined)"
+            )
+        if furthest[side] is None or end > furthest[side][1]:
+            furthest[side] = span
 
 
 @dataclass(frozen=True)
@@ -126,6 +167,14 @@ def device_pool(pool: Any, name: str) -> PoolFacts:
     else:
         addresses = tuple(t.data_ptr() for t in tensors)
     return PoolFacts(len(addresses), n, h, d, first.dtype, first.device, addresses, tensors)
+
+
+def pool_spans(pool: PoolFacts, name: str) -> list[Span | None]:
+    """The memory of a device pool's tensors, named as the caller gave them (``device_k`` for a stacked
+    tensor, ``device_k[i]`` for layer ``i`` of a list)."""
+    if len(pool.tensors) == 1 and pool.tensors[0].dim() == 4:
+        return [tensor_span(pool.tensors[0], name)]
+    return [tensor_span(t, f"{name}[{i}]") for i, t in enumerate(pool.tensors)]
 
 
 def host_pool(host: Any, dtype: torch.dtype, layout: str, mla: bool, num_layers: int, page_size: int, H: int,

@@ -12,8 +12,11 @@ The functions of :mod:`hicache_kernels.ops` use the same machinery through a cac
 by the pools' identity (:func:`bound_pools`): a call with the same pool objects finds its binding
 after O(1) checks (each tensor's ``data_ptr``, shape, strides and dtype; for a pool given as a list of
 per-layer tensors, the first layer's metadata and every layer's identity, one C-level pass of about
-a microsecond for 61 layers). The cache holds no tensor: an entry goes when any of its pool objects
-dies.
+a microsecond for 61 layers; :mod:`hicache_kernels.identity_cache`). The cache holds no tensor: an
+entry goes when any of its pool objects dies.
+
+Binding also checks, once, that the device pool and the host pool share no memory: the kernels read
+sources through the non-coherent cache, under which a copy onto its own source is undefined.
 
 Assumptions (not re-checked per call): a pool's tensors are not resized or re-pointed in place
 (``set_``, ``resize_``) while bound, except that the ops' cache does notice it for a stacked tensor,
@@ -23,18 +26,15 @@ behind a :class:`KVBinding` (the ops' cache does notice a list whose layers diff
 
 from __future__ import annotations
 
-import array
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import layouts
-from ._ext import optional_attr
 from ._validate import (
     DevicePool,
+    check_disjoint,
     device_pool,
     host_pool,
     index_tensor,
@@ -42,8 +42,11 @@ from ._validate import (
     int_arg,
     layout_arg,
     page_size_arg,
+    pool_spans,
+    tensor_span,
 )
 from .backends import IOBackend, _stream, get_backend
+from .identity_cache import IdentityCache, arg_key
 from .plan import Route, Side, TransferPlan
 
 
@@ -91,6 +94,9 @@ class BoundPools:
             addresses = k.addresses
         L, H, D = k.num_layers, k.head_num, k.head_dim
         n_host = host_pool(host, k.dtype, layout, mla, L, page_size, H, D)
+        # Bound once, so checked once: the device pool and the host pool must not share memory.
+        check_disjoint(pool_spans(k, "device_k") + ([] if mla else pool_spans(v, "device_v")),
+                       [tensor_span(host, "host")])  # fmt: skip
         geom = layouts.host_geometry(
             layout, mla=mla, num_layers=L, num_slots=n_host, page_size=page_size, head_num=H, head_dim=D,
             elem_bytes=k.dtype.itemsize,
@@ -174,121 +180,8 @@ class BoundPools:
 
 
 # ------------------------------------------------------------------------------------------------------
-# Caches keyed by the identity of live arguments (the ops' bindings, compat's routes)
+# The ops' cache of bindings
 # ------------------------------------------------------------------------------------------------------
-# None in a pure-Python build: the tuple-of-ids comparison below does the same.
-_same_items = optional_attr("same_items")
-
-
-class _Same:
-    """Whether an argument (a tensor, a list of tensors, or None) is still the one a cache entry was
-    made for: the tensor's metadata (and, ``versioned``, its in-place version: for tensors whose
-    contents the entry was derived from), or for a list, every element's identity and the first's
-    metadata. Identity itself comes from the cache key (ids of objects the entry outlives only while
-    they live)."""
-
-    __slots__ = ("dtype", "ids", "packed", "ptr", "shape", "stride", "version")
-
-    def __init__(self, arg: Any, versioned: bool = False) -> None:
-        self.ids = None if arg is None or isinstance(arg, torch.Tensor) else tuple(map(id, arg))
-        # The ids packed for the extension's one-pass check (_C.same_items): a 61-layer list costs
-        # ~0.3 us instead of ~2 us for an int object per item.
-        self.packed = None if self.ids is None or _same_items is None else array.array("Q", self.ids).tobytes()
-        first = None if arg is None else (arg if self.ids is None else arg[0])
-        self.ptr = None if first is None else first.data_ptr()
-        self.shape = None if first is None else first.shape
-        self.stride = None if first is None else first.stride()
-        self.dtype = None if first is None else first.dtype
-        self.version = first._version if versioned and first is not None else None
-
-    def __call__(self, arg: Any) -> bool:
-        if arg is None:
-            return self.ptr is None
-        if self.ids is not None:
-            # The key holds id(arg[0]) and len(arg); every element must be the one seen (ids are unique
-            # among live objects, and the entry goes when any of them dies): one C-level pass.
-            if self.packed is not None:
-                if not _same_items(arg, self.packed):
-                    return False
-            elif type(arg) not in (list, tuple) or tuple(map(id, arg)) != self.ids:
-                return False
-            arg = arg[0]
-        return (
-            arg.data_ptr() == self.ptr
-            and arg.stride() == self.stride
-            and arg.shape == self.shape
-            and arg.dtype is self.dtype
-            and (self.version is None or arg._version == self.version)
-        )
-
-
-def arg_key(arg: Any) -> Any:
-    """The part of a cache key that names an argument: a tensor's id; for a list or tuple of tensors,
-    its first element's id and its length (not the list's own id: the custom ops, and many callers,
-    build a new list on every call); None for None."""
-    if isinstance(arg, torch.Tensor):
-        return id(arg)
-    if type(arg) in (list, tuple):
-        return ("items", id(arg[0]), len(arg)) if arg else ("empty",)
-    return None if arg is None else ("other", id(arg))
-
-
-class _Entry:
-    __slots__ = ("checks", "finalizers", "value")
-
-    def __init__(self, value: Any, checks: tuple[_Same, ...]) -> None:
-        self.value = value
-        self.checks = checks
-        self.finalizers: list[weakref.finalize] = []
-
-
-class IdentityCache:
-    """Values derived from live arguments, found again by the arguments' identity after O(1) checks
-    (:class:`_Same`) and dropped when any tensor among the arguments dies. Holds no argument: a value
-    must not reference the tensors it was derived from."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()  # re-entrant: entries are forgotten from finalizers, run anywhere
-        self._entries: dict[tuple, _Entry] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: tuple, args: tuple) -> Any:
-        """The value stored for ``key`` if ``args`` are still what it was made from, else None."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        for same, arg in zip(entry.checks, args, strict=True):
-            if not same(arg):
-                return None
-        return entry.value
-
-    def put(self, key: tuple, args: tuple, value: Any, versioned: tuple[bool, ...] = ()) -> None:
-        """Store ``value`` for ``key`` (made from ``args``; ``versioned[i]``: value depends on the
-        contents of ``args[i]``, so an in-place write to it invalidates the entry)."""
-        flags = versioned or (False,) * len(args)
-        entry = _Entry(value, tuple(_Same(a, v) for a, v in zip(args, flags, strict=True)))
-        owners = [t for a in args if a is not None for t in ((a,) if isinstance(a, torch.Tensor) else a)]
-        with self._lock:
-            old = self._entries.get(key)
-            if old is not None:
-                self._forget(key, old)
-            self._entries[key] = entry
-            for obj in owners:
-                f = weakref.finalize(obj, self._forget, key, entry)
-                f.atexit = False
-                entry.finalizers.append(f)
-
-    def _forget(self, key: tuple, entry: _Entry) -> None:
-        with self._lock:
-            if self._entries.get(key) is entry:
-                del self._entries[key]
-            for f in entry.finalizers:
-                f.detach()
-            entry.finalizers.clear()  # no cycle through the finalizers: the entry (and its device tables) go now
-
-
 _pools_cache = IdentityCache()
 
 
@@ -333,7 +226,7 @@ class KVBinding:
     The binding keeps its pools alive. Their tensors must not be resized or re-pointed in place
     (``set_``, ``resize_``) while bound, nor a list pool's layers replaced: bind again instead.
     Raises ``TypeError``/``ValueError`` naming the argument, as the :mod:`hicache_kernels.ops`
-    functions do.
+    functions do; ``ValueError`` naming both for a device pool and a host pool that share memory.
 
     Examples
     --------

@@ -17,6 +17,9 @@ Shapes (see :mod:`hicache_kernels.layouts` for the host layouts)
   floats and tensors are refused with ``TypeError``.
 - dtypes: float16, bfloat16, float32, float8_e4m3fn, float8_e5m2, uint8; device and host pools share
   it. Items of any size move bit-exactly.
+- The device and host pools must not share memory (e.g. overlapping views of one CPU buffer): the
+  kernels read sources through the non-coherent cache, so a copy onto its own source is undefined.
+  Checked when the pools are bound (``ValueError`` naming both); disjoint views of one buffer are fine.
 
 Index checking
 --------------

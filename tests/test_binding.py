@@ -303,6 +303,67 @@ def test_compat_follows_a_pointer_table_rewritten_in_place(triton_on_cpu):
     check(second)
 
 
+def _numpy_write(table, values):
+    table.numpy()[:] = values.numpy()
+
+
+def _dlpack_write(table, values):
+    torch.utils.dlpack.from_dlpack(table).copy_(values)  # another tensor object: its own version counter
+
+
+def _data_write(table, values):
+    table.data.copy_(values)  # .data: the same memory, a detached version counter
+
+
+@pytest.mark.parametrize("rewrite", [_numpy_write, _dlpack_write, _data_write], ids=["numpy", "dlpack", "data"])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_compat_follows_a_pointer_table_rewritten_without_a_version_bump(triton_on_cpu, rewrite, mla):
+    """A table rewritten in place through an alias that torch's version counter does not see (numpy,
+    DLPack, ``.data``; on a GPU, a kernel) must still send the next copy to the layers it names now:
+    routes are keyed on the table's contents, not its ``_version``. Both sides tables, destinations
+    poisoned, compared with plain indexing."""
+    L, N, H, D = 3, 16, 1 if mla else 2, 4
+    item = H * D * 2
+    gen = torch.Generator().manual_seed(12)
+    kinds = 1 if mla else 2
+    src = [[random_bytes_(torch.empty(N, H, D, dtype=torch.float16), gen) for _ in range(L)] for _ in range(kinds)]
+    first = [[poison_(torch.empty(N, H, D, dtype=torch.float16)) for _ in range(L)] for _ in range(kinds)]
+    second = [[poison_(torch.empty(N, H, D, dtype=torch.float16)) for _ in range(L)] for _ in range(kinds)]
+
+    def addresses(layers):
+        return torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+
+    src_tables = [addresses(layers) for layers in src]
+    dst_tables = [addresses(layers) for layers in first]
+    si, di = torch.tensor([1, 5, 9, 14]), torch.tensor([0, 2, 4, 15])
+
+    def copy():
+        if mla:
+            sk.transfer_kv_all_layer_mla(src_tables[0], dst_tables[0], si, di, item, L)
+        else:
+            sk.transfer_kv_all_layer(src_tables[0], dst_tables[0], src_tables[1], dst_tables[1], si, di, item, L)
+
+    def check(written, untouched):
+        for kv in range(kinds):
+            for layer in range(L):
+                want = poison_(torch.empty(N, H, D, dtype=torch.float16))
+                want[di] = src[kv][layer][si]
+                assert same_bytes(written[kv][layer], want), (kv, layer)
+                assert same_bytes(untouched[kv][layer], poison_(torch.empty_like(want))), (kv, layer)
+
+    copy()
+    check(first, second)
+    for kv in range(kinds):
+        for t in first[kv]:
+            poison_(t)
+        version = dst_tables[kv]._version
+        rewrite(dst_tables[kv], addresses(second[kv]))
+        assert dst_tables[kv]._version == version  # the rewrite is invisible to the version counter
+        assert dst_tables[kv].tolist() == addresses(second[kv]).tolist()
+    copy()
+    check(second, first)
+
+
 def test_compat_per_layer_calls_use_the_tensors_they_are_given(triton_on_cpu):
     """One cached route per (function, tensors, sizes): alternating between two layers' tensors must
     write each call's own destination."""
@@ -389,14 +450,14 @@ def test_gpu_tables_go_with_their_pools():
 def test_list_identity_check_with_and_without_the_extension(monkeypatch, packed):
     """A cached per-layer list is found again only for a list or tuple of the very same tensors, in
     order; the extension's packed check and the pure-Python one agree."""
-    from hicache_kernels import binding
+    from hicache_kernels import identity_cache
 
-    if packed and binding._same_items is None:
+    if packed and identity_cache._same_items is None:
         pytest.skip("the extension is not built")
     if not packed:
-        monkeypatch.setattr(binding, "_same_items", None)
+        monkeypatch.setattr(identity_cache, "_same_items", None)
     layers = [torch.randn(4, 2) for _ in range(5)]
-    same = binding._Same(layers)
+    same = identity_cache._Same(layers)
     assert (same.packed is not None) == packed
     assert same(layers) and same(list(layers)) and same(tuple(layers))
     assert not same(layers[:4]) and not same([*layers, layers[0]])

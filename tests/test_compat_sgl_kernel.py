@@ -197,18 +197,29 @@ def test_out_of_range_index_is_skipped_with_tensors():
 @pytest.mark.parametrize(
     ("call", "exc", "fragment"),
     [
-        (lambda k, v, i: sk.transfer_kv_per_layer(k, k, v, v, i.int(), i, ITEM), TypeError, "src_indices"),
-        (lambda k, v, i: sk.transfer_kv_per_layer(k, k, v, v, i, i[:2], ITEM), ValueError, "dst_indices"),
-        (lambda k, v, i: sk.transfer_kv_per_layer(k, k, v, v, i, i, 0), ValueError, "item_size"),
-        (lambda k, v, i: sk.transfer_kv_all_layer(i.float(), i, i, i, i, i, ITEM, L), TypeError, "src_k_layers"),
-        (lambda k, v, i: sk.transfer_kv_direct([k], [k, v], i, i, 1), ValueError, "dst_layers"),
-        (lambda k, v, i: sk.use_backend("nvlink"), ValueError, "backend"),
+        (lambda k, v, dk, dv, i: sk.transfer_kv_per_layer(k, dk, v, dv, i.int(), i, ITEM), TypeError, "src_indices"),
+        (lambda k, v, dk, dv, i: sk.transfer_kv_per_layer(k, dk, v, dv, i, i[:2], ITEM), ValueError, "dst_indices"),
+        (lambda k, v, dk, dv, i: sk.transfer_kv_per_layer(k, dk, v, dv, i, i, 0), ValueError, "item_size"),
+        (
+            lambda k, v, dk, dv, i: sk.transfer_kv_all_layer(i.float(), i, i, i, i, i, ITEM, L),
+            TypeError,
+            "src_k_layers",
+        ),
+        (lambda k, v, dk, dv, i: sk.transfer_kv_direct([k], [dk, dv], i, i, 1), ValueError, "dst_layers"),
+        (  # used to raise ZeroDivisionError
+            lambda k, v, dk, dv, i: sk.transfer_kv_all_layer_mla(table([k]), table([dk]), i, i, ITEM, 0),
+            ValueError,
+            "num_layers: expected a positive int, got 0",
+        ),
+        (lambda k, v, dk, dv, i: sk.use_backend("nvlink"), ValueError, "backend"),
     ],
 )
 def test_bad_arguments(call, exc, fragment):
-    k, v = device_layers()[0], device_layers()[0]
+    (k, dk), (v, dv) = device_layers(seed=1)[:2], device_layers(seed=2)[:2]
+    before = [t.clone() for t in (dk, dv)]
     with pytest.raises(exc, match=fragment):
-        call(k, v, torch.arange(3))
+        call(k, v, dk, dv, torch.arange(3))
+    assert same_bytes(dk, before[0]) and same_bytes(dv, before[1])
 
 
 def page_idx(seed, pages=2):
@@ -383,3 +394,166 @@ def test_meta_tensors_are_refused():
 def test_use_backend_names_its_argument():
     with pytest.raises(TypeError, match="name: expected a backend name"):
         sk.use_backend(["triton"])
+
+
+# -- a destination sharing memory with a source: refused before anything is written ------------------------
+def inside(buf, like):
+    """A tensor shaped like ``like`` over the first bytes of ``buf``: it shares ``buf``'s memory."""
+    return buf.reshape(-1)[: like.numel()].view(like.shape)
+
+
+MLA_ITEM = D * DT.itemsize
+
+# (id, call, message pattern). A call gets `b` (K and V device layers, MLA layers, host buffers of each
+# layout, indices) and passes some memory on both sides: the same tensor or pointer table, a view of a
+# source, or a pointer table naming a layer that lives inside a destination buffer.
+ALIASED = [
+    (
+        "per_layer-same-tensor",
+        lambda b: sk.transfer_kv_per_layer(b.k[0], b.k[0], b.v[0], b.v[1], b.dev, b.dev2, ITEM),
+        r"dst_k: its memory .* overlaps src_k's",
+    ),
+    (
+        "per_layer-dst_v-is-src_k",
+        lambda b: sk.transfer_kv_per_layer(b.k[0], b.k[1], b.v[0], b.k[0], b.dev, b.dev2, ITEM),
+        r"dst_v: its memory .* overlaps src_k's",
+    ),
+    (
+        "per_layer_pf_lf-dst-view-of-src",
+        lambda b: sk.transfer_kv_per_layer_pf_lf(
+            b.pf[0], inside(b.pf[0], b.k[0]), b.pf[1], b.v[0], b.host, b.dev, 1, ITEM, L * ITEM
+        ),
+        r"dst_k: its memory .* overlaps src_k's",
+    ),
+    (
+        "per_layer_ph_lf-dst-view-of-src",
+        lambda b: sk.transfer_kv_per_layer_ph_lf(
+            b.ph[0], b.k[0], b.ph[1], inside(b.ph[1], b.v[0]), b.host, b.dev, 1, ITEM, L * ITEM, PAGE, H
+        ),
+        r"dst_v: its memory .* overlaps src_v's",
+    ),
+    (
+        "all_layer-same-tables",
+        lambda b: sk.transfer_kv_all_layer(b.kt, b.kt, b.vt, table(b.v2), b.dev, b.dev2, ITEM, L),
+        r"dst_k_layers\[(\d)\]: its memory .* overlaps src_k_layers\[\1\]'s",
+    ),
+    (
+        "all_layer_lf_pf-table-into-dst",
+        lambda b: sk.transfer_kv_all_layer_lf_pf(
+            b.kt, b.pf[0], table([inside(b.pf[1], b.v[0]), *b.v[1:]]), b.pf[1], b.dev, b.host, ITEM, L * ITEM, L
+        ),
+        r"dst_v: its memory .* overlaps src_v_layers\[0\]'s",
+    ),
+    (
+        "all_layer_lf_ph-table-into-dst",
+        lambda b: sk.transfer_kv_all_layer_lf_ph(
+            table([*b.k[:2], inside(b.ph[0], b.k[2])]),
+            b.ph[0],
+            b.vt,
+            b.ph[1],
+            b.dev,
+            b.host,
+            ITEM,
+            L * ITEM,
+            L,
+            PAGE,
+            H,
+        ),
+        r"dst_k: its memory .* overlaps src_k_layers\[2\]'s",
+    ),  # fmt: skip
+    (
+        "per_layer_mla-same-tensor",
+        lambda b: sk.transfer_kv_per_layer_mla(b.kv[1], b.kv[1], b.dev, b.dev2, MLA_ITEM),
+        r"dst: its memory .* overlaps src's",
+    ),
+    (
+        "per_layer_mla_pf_lf-dst-view-of-src",
+        lambda b: sk.transfer_kv_per_layer_mla_pf_lf(
+            b.pf_mla, inside(b.pf_mla, b.kv[0]), b.host, b.dev, 0, MLA_ITEM, L * MLA_ITEM
+        ),
+        r"dst: its memory .* overlaps src's",
+    ),
+    (
+        "all_layer_mla-same-table",
+        lambda b: sk.transfer_kv_all_layer_mla(table(b.kv), table(b.kv), b.dev, b.dev2, MLA_ITEM, L),
+        r"dst_layers\[(\d)\]: its memory .* overlaps src_layers\[\1\]'s",
+    ),
+    (
+        "all_layer_mla_lf_pf-table-into-dst",
+        lambda b: sk.transfer_kv_all_layer_mla_lf_pf(
+            table([inside(b.pf_mla, b.kv[0]), *b.kv[1:]]), b.pf_mla, b.dev, b.host, MLA_ITEM, L * MLA_ITEM, L
+        ),
+        r"dst: its memory .* overlaps src_layers\[0\]'s",
+    ),
+    (
+        "direct-same-list",
+        lambda b: sk.transfer_kv_direct(b.k, b.k, b.dev_pages, b.dev_pages2, PAGE),
+        r"dst_layers\[(\d)\]: its memory .* overlaps src_layers\[\1\]'s",
+    ),
+    (
+        "all_layer_direct_lf_pf-src-view-of-dst",
+        lambda b: sk.transfer_kv_all_layer_direct_lf_pf(
+            [*b.k, *b.v[:2], inside(b.pfd[1], b.v[2])], [b.pfd[0], b.pfd[1]], b.dev_pages, b.host_pages, PAGE
+        ),
+        r"dst_ptrs\[1\]: its memory .* overlaps src_ptrs\[5\]'s",
+    ),
+    (
+        "per_layer_direct_pf_lf-dst-view-of-src",
+        lambda b: sk.transfer_kv_per_layer_direct_pf_lf(
+            [b.pfd[0], b.pfd[1]], [inside(b.pfd[0], b.k[0]), b.v[0]], b.host_pages, b.dev_pages, 0, PAGE
+        ),
+        r"dst_ptrs\[0\]: its memory .* overlaps src_ptrs\[0\]'s",
+    ),
+]
+
+
+def aliasing_buffers():
+    from types import SimpleNamespace
+
+    k, v = device_layers(seed=1), device_layers(seed=2)
+    b = SimpleNamespace(k=k, v=v, v2=device_layers(seed=3), kv=device_layers(mla=True, seed=4), kt=table(k),
+                        vt=table(v), pf=host_pool("page_first"), ph=host_pool("page_head"),
+                        pfd=host_pool("page_first_direct"), pf_mla=host_pool("page_first", mla=True))  # fmt: skip
+    b.dev, b.host = idx(seed=5)
+    b.dev2 = torch.randperm(N_DEV, generator=gen(6))[:6]
+    b.dev_pages, b.host_pages = page_idx(seed=7)
+    b.dev_pages2 = page_idx(seed=8)[0]
+    return b
+
+
+@pytest.mark.parametrize(("call", "pattern"), [a[1:] for a in ALIASED], ids=[a[0] for a in ALIASED])
+def test_source_and_destination_sharing_memory_are_refused(call, pattern):
+    """Every function: a destination overlapping a source (the kernels read sources through the
+    non-coherent cache, so such a copy is undefined) raises ValueError naming both, and writes nothing."""
+    b = aliasing_buffers()
+    every = [*b.k, *b.v, *b.v2, *b.kv, b.pf, b.ph, b.pfd, b.pf_mla]
+    before = [t.clone() for t in every]
+    with pytest.raises(ValueError, match=pattern):
+        call(b)
+    assert all(same_bytes(a, c) for a, c in zip(every, before, strict=True)), "a refused call wrote"
+
+
+def test_disjoint_views_of_one_buffer_are_fine():
+    """Source and destination may be views of one storage when their bytes do not overlap: K and V
+    layers, sources and destinations, as the quarters of one buffer, by pointer tables and by tensors."""
+    buf = torch.empty(4, L, N_DEV, H, D, dtype=DT)
+    random_bytes_(buf[:2], gen(20))
+    poison_(buf[2:])
+    buf = buf.to(DEV)  # one storage on the pools' device
+    src_k, src_v, dst_k, dst_v = (list(buf[i].unbind(0)) for i in range(4))
+    si, di = idx(seed=21)[0], torch.randperm(N_DEV, generator=gen(22))[:6]
+
+    def expected(layers):
+        exp = [t.clone() for t in dst_k + dst_v]
+        for layer in layers:
+            exp[layer][di] = src_k[layer][si]
+            exp[L + layer][di] = src_v[layer][si]
+        return exp
+
+    exp = expected(range(L))
+    sk.transfer_kv_all_layer(table(src_k), table(dst_k), table(src_v), table(dst_v), si, di, ITEM, L)
+    assert all(same_bytes(a, e) for a, e in zip(dst_k + dst_v, exp, strict=True))
+    poison_(buf[2:])
+    exp = expected([1])
+    sk.transfer_kv_per_layer(src_k[1], dst_k[1], src_v[1], dst_v[1], si, di, ITEM)
+    assert all(same_bytes(a, e) for a, e in zip(dst_k + dst_v, exp, strict=True))

@@ -10,7 +10,7 @@ import torch
 
 from hicache_kernels import BackendUnavailableError, ops
 
-from kvdata import expected_after, make_pools
+from kvdata import Pools, expected_after, make_pools, poison_, random_bytes_
 
 
 def base_args(direction="d2h", layout="page_first", mla=False, page_size=4):
@@ -298,3 +298,90 @@ def test_layer_id_is_checked_under_torch_compile(layer_id, exc):
         torch.compile(step, backend="aot_eager", fullgraph=True)(pools.device_k, pools.device_v, pools.host)
     assert exc.__name__ in f"{type(info.value).__name__}: {info.value}"
     assert pools.equal(before)
+
+
+# -- device and host pools sharing memory: refused where the pools are bound, before anything is written -----
+# base_args' geometry: page_first host [2, 8, 3, 2, 8] and device pools [3, 16, 2, 8], 768 elements each.
+SHARED = [
+    # (id, device_k, device_v, host, the message's names) as views of one buffer of 3 * 768 elements
+    ("device_k-is-the-host", lambda b: b[:768], lambda b: b[768:1536], lambda b: b[:768], ("host", "device_k")),
+    (
+        "a-device_v-layer-in-the-host",
+        lambda b: b[:768],
+        lambda b: [b[768:1024], b[1024:1280], b[1600:1856]],
+        lambda b: b[1536:2304],
+        ("host", r"device_v\[2\]"),
+    ),
+    (
+        "host-straddles-device_v",
+        lambda b: b[:768],
+        lambda b: b[768:1536],
+        lambda b: b[1500:2268],
+        ("host", "device_v"),
+    ),
+]
+ENTRY_POINTS = ["transfer", "named_op", "build_plan", "KVBinding", "custom_op"]
+
+
+def shared_pools(case, direction):
+    """The case's pools as views of one buffer: sources random, then destinations poisoned."""
+    _, k, v, host, _ = case
+    buf = torch.empty(3 * 768 + 64, dtype=torch.float16)
+    random_bytes_(buf, torch.Generator().manual_seed(30))
+
+    def shaped(t, layer_shape=(16, 2, 8)):
+        return [x.view(layer_shape) for x in t] if isinstance(t, list) else t.view(3, *layer_shape)
+
+    k, v, host = shaped(k(buf)), shaped(v(buf)), host(buf).view(2, 8, 3, 2, 8)
+    for t in [host] if direction == "d2h" else ([k] + (v if isinstance(v, list) else [v])):
+        poison_(t)
+    return buf, k, v, host
+
+
+def run_entry(entry, direction, k, v, host):
+    d_idx, h_idx = torch.tensor([0, 1, 9]), torch.tensor([4, 5, 6])
+    kw = {"layout": "page_first", "page_size": 4}
+    if entry == "transfer":
+        ops.transfer(direction, k, v, host, d_idx, h_idx, backend="direct", **kw)
+    elif entry == "named_op":
+        if direction == "d2h":
+            ops.backup_all_layers(k, v, host, d_idx, h_idx, backend="triton", **kw)
+        else:
+            ops.load_layer(k, v, host, d_idx, h_idx, layer_id=2, backend="triton", **kw)
+    elif entry == "build_plan":
+        ops.build_plan(direction, k, v, host, d_idx, h_idx, **kw)
+    elif entry == "KVBinding":
+        ops.KVBinding(k, v, host, **kw).transfer(direction, d_idx, h_idx, backend="direct")
+    else:
+        op = ops.backup_op if direction == "d2h" else ops.load_op
+        op(k if isinstance(k, list) else [k], v if isinstance(v, list) else [v], host, d_idx, h_idx, "page_first", 4,
+           -1, "direct", True)  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("case", SHARED, ids=[c[0] for c in SHARED])
+def test_device_and_host_pools_sharing_memory_are_refused(case, direction, entry):
+    """The kernels read sources through the non-coherent cache, so a copy onto its own source is
+    undefined: pools that share memory are refused with a ValueError naming both, and nothing is written."""
+    buf, k, v, host = shared_pools(case, direction)
+    before = buf.clone()
+    dst, src = case[4]
+    with pytest.raises(ValueError, match=rf"^{dst}: its memory .* overlaps {src}'s .* must not share memory"):
+        run_entry(entry, direction, k, v, host)
+    assert torch.equal(buf.view(torch.uint8), before.view(torch.uint8)), "a refused call wrote"
+
+
+@pytest.mark.parametrize("backend", ["direct", "triton"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_pools_in_disjoint_views_of_one_buffer_are_fine(direction, backend):
+    """Device and host pools may be views of one storage when their bytes do not overlap (here they
+    touch: the host starts where device_v ends)."""
+    buf = torch.empty(3 * 768, dtype=torch.float16)
+    random_bytes_(buf, torch.Generator().manual_seed(31))
+    k, v, host = buf[:768].view(3, 16, 2, 8), buf[768:1536].view(3, 16, 2, 8), buf[1536:].view(2, 8, 3, 2, 8)
+    pools = Pools(k, v, host, "page_first", 4)
+    d_idx, h_idx = torch.tensor([0, 1, 9]), torch.tensor([4, 5, 6])
+    exp = expected_after(pools, direction, d_idx, h_idx, layer_id=None)
+    ops.transfer(direction, k, v, host, d_idx, h_idx, layout="page_first", page_size=4, backend=backend)
+    assert pools.equal(exp)

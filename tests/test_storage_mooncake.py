@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,12 +35,31 @@ from kvdata import random_bytes_
 
 CASES = [(lay, False) for lay in layouts.LAYOUTS] + [(lay, True) for lay in layouts.MLA_LAYOUTS]
 TIMEOUT_S = 1.0  # the backend's per-call bound in the fault tests
-SLACK_S = 1.5  # what closing may take beyond setup_timeout_s on a slow machine
-# A hang detector, not a speed limit (CI runs on a busy machine): without the backend's bound, one call to
-# a frozen master waits ~30 s in the client, and six calls to a killed one ~26 s; with it, a round of six
-# calls is one timeout_s and instant misses. Whether the bound acted is read from the backend's counters.
-HANG_S = 15.0
+# A hang detector, never a speed limit (CI runs on a busy machine): a call still running after HANG_S
+# fails the test instead of hanging it. Whether the backend's bounds acted (a call given up on at
+# timeout_s, or not made at all while the master is down) is read from its counters, not the clock.
+HANG_S = 60.0
 LOGGER = "hicache.storage.mooncake"
+
+
+def returns(fn, *args, within: float = HANG_S):
+    """``fn(*args)`` run on a thread: its result (or its exception, raised here); fails the test when it
+    is still running after ``within`` seconds (a hang detector)."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(within)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} hung: still running after {within:g} s"
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
 
 
 # -- what is installed ----------------------------------------------------------------------------------
@@ -102,7 +122,7 @@ class Master:
     def metadata(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
-    def start(self, timeout: float = 30.0) -> Master:
+    def start(self, timeout: float = HANG_S) -> Master:
         args = [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                 f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
@@ -194,11 +214,12 @@ def test_arguments_are_checked(kw, match):
 
 
 def test_no_master_is_a_quick_clear_error(master_binary):
+    """The constructor's probe answers, naming the argument: without it the client's setup() retries
+    for ~90 s and the constructor gives up at setup_timeout_s (30 s) with another message. The message
+    is the check; HANG_S is only a hang detector."""
     port = _free_ports(1)[0]
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"no mooncake_master answers at 127.0.0.1:{port}"):
-        make_backend(f"127.0.0.1:{port}")
-    assert time.monotonic() - t0 < 10
+    with pytest.raises(RuntimeError, match=f"master_server_address: no mooncake_master answers at 127.0.0.1:{port}"):
+        returns(make_backend, f"127.0.0.1:{port}")
 
 
 # -- calls given up on: a fake client (the fake_mooncake fixture) that stalls mid-transfer ---------------
@@ -405,25 +426,15 @@ def test_second_process_reads_the_first_ones_pages(backend, master, tmp_path):
 
 
 # -- the master going away --------------------------------------------------------------------------------
-def _timed(fn, *args):
-    t0 = time.monotonic()
-    out = fn(*args)
-    return out, time.monotonic() - t0
-
-
-def _all_misses(be, keys, src, dst) -> float:
-    """Every kind of call is a miss; returns the longest one took."""
-    longest = 0.0
+def _all_misses(be, keys, src, dst) -> None:
+    """Every kind of call returns (none hangs) a miss."""
     for fn, args, miss in [(be.batch_exists, (keys,), 0), (be.batch_get_into, (keys, dst), [False] * len(keys)),
                            (be.batch_set_from, (keys, src), [False] * len(keys)), (be.exists, (keys[0],), False),
                            (be.get, (keys[0],), None), (be.set, (keys[0], b"v"), False)]:  # fmt: skip
-        out, took = _timed(fn, *args)
-        assert out == miss, fn.__name__
-        longest = max(longest, took)
-    return longest
+        assert returns(fn, *args) == miss, fn.__name__
 
 
-def _wait_until_it_works(be, keys, src, dst, host, timeout: float = 45.0) -> float:
+def _wait_until_it_works(be, keys, src, dst, host, timeout: float = HANG_S) -> float:
     t0 = time.monotonic()
     while be.batch_set_from(keys, src) != [True] * len(keys):
         assert time.monotonic() - t0 < timeout, f"the backend did not recover: {be.stats()}"
@@ -434,9 +445,11 @@ def _wait_until_it_works(be, keys, src, dst, host, timeout: float = 45.0) -> flo
 
 
 def test_master_frozen_killed_and_restarted(master_binary, tmp_path, caplog):
-    """Frozen (SIGSTOP) and killed masters make every call a miss within timeout_s, logged once per
-    outage; the same client works again once the master answers (thawed, or restarted on its ports:
-    the client remounts its segment; what the old master knew is gone)."""
+    """Frozen (SIGSTOP) and killed masters make every call a miss, logged once per outage; against the
+    frozen one the backend gives up on a call at timeout_s while the client is still in it (read from
+    the counters: a timeout, and the call still running behind it); the same client works again once
+    the master answers (thawed, or restarted on its ports: the client remounts its segment; what the
+    old master knew is gone)."""
     caplog.set_level(logging.WARNING, logger=LOGGER)
     m = Master(master_binary, tmp_path / "master.log").start()
     be = make_backend(m.address, metadata_server=m.metadata, timeout_s=TIMEOUT_S, retry_interval_s=0.2)
@@ -450,11 +463,13 @@ def test_master_frozen_killed_and_restarted(master_binary, tmp_path, caplog):
         def outages() -> list[str]:
             return [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
 
-        # Frozen: the client's RPCs would wait ~30 s; the backend gives up after timeout_s.
+        # Frozen: the client's RPCs would wait ~30 s; the backend gives up after timeout_s, so the call it
+        # gave up on is still running in the client (abandoned) when the calls have all returned misses.
         m.signal(signal.SIGSTOP)
         for _ in range(3):
-            assert _all_misses(be, keys, src, dst) < HANG_S
-        assert be.stats()["master_up"] == 0 and be.stats()["timeouts"] >= 1 and len(outages()) == 1
+            _all_misses(be, keys, src, dst)
+        st = be.stats()
+        assert st["master_up"] == 0 and st["timeouts"] >= 1 and st["abandoned"] >= 1 and len(outages()) == 1, st
         m.signal(signal.SIGCONT)
         _wait_until_it_works(be, keys_for(2, "fault-thawed"), src, dst, host)  # late calls may remove `keys`
         assert be.stats()["master_up"] == 1
@@ -462,11 +477,11 @@ def test_master_frozen_killed_and_restarted(master_binary, tmp_path, caplog):
         # Killed: misses again, one more warning however many calls.
         m.stop()
         for _ in range(3):
-            assert _all_misses(be, keys, src, dst) < HANG_S
+            _all_misses(be, keys, src, dst)
         assert len(outages()) == 2 and be.stats()["outages"] == 2
         time.sleep(1.0)  # a while down: calls stay instant misses (none waits out its bound)
         timeouts = be.stats()["timeouts"]
-        assert _all_misses(be, keys, src, dst) < HANG_S
+        _all_misses(be, keys, src, dst)
         assert be.stats()["timeouts"] == timeouts
 
         # Restarted on the same ports: the same client works again (no new client needed).
@@ -478,10 +493,12 @@ def test_master_frozen_killed_and_restarted(master_binary, tmp_path, caplog):
         assert st["master_up"] == 1 and st["outages"] == 2, st
         print(f"recovered {took:.1f} s after the restart; {st}")
     finally:
-        t0 = time.monotonic()
-        be.close()
-        assert time.monotonic() - t0 < be.setup_timeout_s + SLACK_S
-        m.stop()
+        try:
+            returns(be.close)
+        finally:
+            m.stop()
+    # Closing needed no bound: it neither timed out nor raised (either is logged).
+    assert not [r.getMessage() for r in caplog.records if "closing the client" in r.getMessage()]
 
 
 # -- through the cache ------------------------------------------------------------------------------------
@@ -514,7 +531,9 @@ def test_two_caches_share_a_store(master, layout, mla):
         with cache() as b:
             m = b.match_prefix(tokens)
             assert b.prefetch_from_storage("r", m.last_host_node, tokens)
+            deadline = time.monotonic() + HANG_S  # a hang detector
             while not b.check_prefetch_progress("r"):
+                assert time.monotonic() < deadline, f"the prefetch is still running after {HANG_S:g} s"
                 time.sleep(0.001)
             assert b.metrics.storage_hit_tokens == len(tokens)
             m = b.match_prefix(tokens)

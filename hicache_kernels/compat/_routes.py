@@ -6,21 +6,21 @@ again from the identity of its arguments."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._ext import BackendUnavailableError
-from .._validate import check_memory, int_arg
+from .._validate import Span, check_disjoint, check_memory, int_arg, tensor_span
 from ..backends import IOBackend
-from ..binding import IdentityCache, arg_key
+from ..identity_cache import IdentityCache, arg_key
 from ..plan import Route, Side, TransferPlan
 
 _NO_BOUND = 1 << 62  # pointer tables carry no pool sizes
 # Each function's route (sides, geometry, device), built by its first call with given tensors and sizes
-# and found again by their identity (pointer tables also by their in-place version: their contents
-# are the route). Holds no tensor; an entry goes when one of its tensors dies.
+# and found again by their identity (pointer tables also by their contents, which are the route: see
+# identity_cache._Same). Holds no tensor; an entry goes when one of its tensors dies.
 _routes = IdentityCache()
 
 
@@ -38,10 +38,13 @@ def tensor_arg(t: Any, name: str) -> torch.Tensor:
 
 def table_values(t: Any, name: str, num_layers: int) -> tuple[int, ...]:
     """The first ``num_layers`` addresses of a pointer table (one sync for a CUDA table; the route
-    built from them is cached while the table lives unmodified)."""
+    built from them is cached while the table lives with these contents)."""
     if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.uint64):
         raise TypeError(f"{name}: expected an int64 tensor of layer addresses, got {getattr(t, 'dtype', type(t))}")
     check_memory(t, name)
+    num_layers = int_arg(num_layers, "num_layers")
+    if num_layers < 1:
+        raise ValueError(f"num_layers: expected a positive int, got {num_layers}")
     if t.numel() < num_layers:
         raise ValueError(f"{name}: expected {num_layers} layer addresses, got {t.numel()}")
     return tuple(int(x) for x in t[:num_layers].view(torch.int64).tolist())
@@ -148,20 +151,40 @@ def layer_arg(layer_id: Any, num_layers: int, count: int = 1) -> int:
     return layer_id
 
 
+def side_spans(
+    side: Side, tensors: tuple[torch.Tensor, ...], names: Sequence[str], memory: tuple[torch.Tensor, ...], item: int
+) -> list[Span | None]:
+    """The memory a side is known to touch, for the overlap check: each tensor's bytes when the tensors
+    are pool memory; for pointer tables (which carry no sizes), the first ``item`` bytes of every layer
+    they name (entry ``kv * L + l`` of ``side.table`` comes from table ``kv``)."""
+    if any(t is m for t in tensors for m in memory):
+        return [tensor_span(t, n) for t, n in zip(tensors, names, strict=True)]
+    L = side.num_layers
+    return [(a, a + item, f"{names[j // L]}[{j % L}]") for j, a in enumerate(side.table)]
+
+
+def arg_names(name: str | Sequence[str], count: int) -> Sequence[str]:
+    """The names of a side's tensors: as given, or ``name[i]`` for the items of one list argument."""
+    return [f"{name}[{i}]" for i in range(count)] if isinstance(name, str) else name
+
+
 def make_route(
     src: Side,
     dst: Side,
     src_tensors: tuple[torch.Tensor, ...],
     dst_tensors: tuple[torch.Tensor, ...],
     *,
+    names: tuple[str | Sequence[str], str | Sequence[str]],
     layer_begin: int,
     layer_count: int,
     item_size: int,
     head_num: int = 1,
     memory: tuple[torch.Tensor, ...] | None = None,
 ) -> Route:
-    """A route between two sides. ``memory``: the tensors that are pool memory (default: all of them;
-    pointer tables are not), whose CPU ones must be pinned for a zero-copy launch on a GPU."""
+    """A route between two sides. ``names``: the argument names of the source and destination tensors
+    (a list argument's name for its items). ``memory``: the tensors that are pool memory (default: all
+    of them; pointer tables are not), whose CPU ones must be pinned for a zero-copy launch on a GPU.
+    Refuses a destination that overlaps a source (:func:`hicache_kernels._validate.check_disjoint`)."""
     check_sizes(item_size, None, head_num)
     tensors = src_tensors + dst_tensors
     gpus = {t.device for t in tensors if t.is_cuda}
@@ -169,6 +192,10 @@ def make_route(
         raise ValueError(f"src_indices: the tensors of one transfer must be on one GPU, got {sorted(map(str, gpus))}")
     device = gpus.pop() if gpus else torch.device("cpu")
     memory = tensors if memory is None else memory
+    check_disjoint(
+        side_spans(src, src_tensors, arg_names(names[0], len(src_tensors)), memory, item_size),
+        side_spans(dst, dst_tensors, arg_names(names[1], len(dst_tensors)), memory, item_size),
+    )
     return Route(
         # Backends take the stream and device from the "device side": the destination unless it is host
         # memory, then the source.
@@ -187,17 +214,22 @@ def make_route(
     )
 
 
-def cached_route(name: str, args: tuple, scalars: tuple, build: Callable[[], Route], tables: int = 0) -> Route:
+def cached_route(
+    name: str, args: tuple, scalars: tuple, build: Callable[[], Route], tables: int = 0, num_layers: int = 0
+) -> Route:
     """``name``'s route for these arguments: built by ``build`` on the first call, then found again by
     the arguments' identity. ``scalars`` are part of the key when they are plain ints (anything else
-    is validated by ``build`` on every call); the last ``tables`` of ``args`` are pointer tables."""
+    is validated by ``build`` on every call); the last ``tables`` of ``args`` are pointer tables, of
+    which the route uses the first ``num_layers`` entries: it is found again only while they hold the
+    same addresses (read on every call for a CPU table; a CUDA table's in-place version stands for
+    them, see :class:`hicache_kernels.identity_cache._Same`)."""
     if not all(type(x) is int for x in scalars):
         return build()
     key = (name, *map(arg_key, args), *scalars)
     route = _routes.get(key, args)
     if route is None:
         route = build()
-        _routes.put(key, args, route, (False,) * (len(args) - tables) + (True,) * tables)
+        _routes.put(key, args, route, (0,) * (len(args) - tables) + (num_layers,) * tables)
     return route
 
 

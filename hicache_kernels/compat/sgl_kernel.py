@@ -12,8 +12,18 @@ Differences, all in the direction of safety:
 - Indices may be on the CPU or the GPU (copied over when needed).
 - With tensors (not pointer tables) on both sides every access is bounds-checked in the kernel: an
   out-of-range index is skipped. Pointer tables carry no sizes, so there (as in sgl-kernel) the caller
-  is responsible for the indices. Pointer tables are read back to the host once per table tensor (one
-  sync for a CUDA table) and cached while that tensor lives and is not modified in place.
+  is responsible for the indices.
+- A destination that shares memory with a source (one tensor on both sides, overlapping views of one
+  buffer, a pointer table naming a layer on both sides or inside a destination tensor) raises
+  ``ValueError`` naming both arguments, before anything is written: the kernels read sources through
+  the non-coherent cache (``ld.global.nc``), under which such a copy is undefined. Disjoint views of
+  one buffer are fine.
+- Pointer tables are read back to the host when a call's route is built (one sync for a CUDA table),
+  and the route serves later calls while the table holds the same addresses. A CPU table's entries
+  are compared on every call, so any rewrite is followed (numpy, DLPack, ``.data``). A CUDA table's
+  are not (that would synchronise the host with the stream on every call): its in-place version
+  stands for them, which torch's in-place ops bump but a kernel or a DLPack alias writing the table
+  does not; after such a rewrite call ``torch.autograd.graph.increment_version(table)``.
 - ``transfer_kv_all_layer_direct_lf_pf`` / ``transfer_kv_per_layer_direct_pf_lf`` (``page_first_direct``
   host buffers ``[P, L, page, H, D]`` per K/V) move each index pair's token slot, so whole-page index
   groups (what sgl-kernel requires: it reads only the first index of each page) give sgl-kernel's
@@ -100,6 +110,7 @@ def transfer_kv_per_layer(
             lf_side(list(dst), ["dst_k", "dst_v"], item_size, 1),
             src,
             dst,
+            names=(["src_k", "src_v"], ["dst_k", "dst_v"]),
             layer_begin=0,
             layer_count=1,
             item_size=item_size,
@@ -134,6 +145,7 @@ def transfer_kv_per_layer_pf_lf(
             lf_side(list(dst), ["dst_k", "dst_v"], item_size, side.num_layers),
             src,
             dst,
+            names=(["src_k", "src_v"], ["dst_k", "dst_v"]),
             layer_begin=layer,
             layer_count=1,
             item_size=item_size,
@@ -169,6 +181,7 @@ def transfer_kv_per_layer_ph_lf(
             lf,
             src,
             dst,
+            names=(["src_k", "src_v"], ["dst_k", "dst_v"]),
             layer_begin=layer_arg(layer_id, side.num_layers),
             layer_count=1,
             item_size=item_size,
@@ -201,13 +214,14 @@ def transfer_kv_all_layer(
             pointer_tables(list(dst), ["dst_k_layers", "dst_v_layers"], num_layers, item_size),
             src,
             dst,
+            names=(["src_k_layers", "src_v_layers"], ["dst_k_layers", "dst_v_layers"]),
             layer_begin=0,
             layer_count=num_layers,
             item_size=item_size,
             memory=(),
         )
 
-    route = cached_route("all_layer", (*src, *dst), (item_size, num_layers), build, tables=4)
+    route = cached_route("all_layer", (*src, *dst), (item_size, num_layers), build, tables=4, num_layers=num_layers)
     run_route(route, src, dst, src_indices, dst_indices, _backend(block_quota, num_warps_per_block))
 
 
@@ -233,13 +247,15 @@ def transfer_kv_all_layer_lf_pf(
             pf_side(list(dst), ["dst_k", "dst_v"], item_size, dst_layout_dim),
             src,
             dst,
+            names=(["src_k_layers", "src_v_layers"], ["dst_k", "dst_v"]),
             layer_begin=0,
             layer_count=num_layers,
             item_size=item_size,
             memory=dst,
         )
 
-    route = cached_route("all_layer_lf_pf", (*dst, *src), (item_size, dst_layout_dim, num_layers), build, tables=2)
+    scalars = (item_size, dst_layout_dim, num_layers)
+    route = cached_route("all_layer_lf_pf", (*dst, *src), scalars, build, tables=2, num_layers=num_layers)
     run_route(route, src, dst, src_indices, dst_indices, _backend(block_quota, num_warps_per_block))
 
 
@@ -271,6 +287,7 @@ def transfer_kv_all_layer_lf_ph(
             ph,
             src,
             dst,
+            names=(["src_k_layers", "src_v_layers"], ["dst_k", "dst_v"]),
             layer_begin=0,
             layer_count=num_layers,
             item_size=item_size,
@@ -279,7 +296,7 @@ def transfer_kv_all_layer_lf_ph(
         )
 
     scalars = (item_size, dst_layout_dim, num_layers, page_size, head_num)
-    route = cached_route("all_layer_lf_ph", (*dst, *src), scalars, build, tables=2)
+    route = cached_route("all_layer_lf_ph", (*dst, *src), scalars, build, tables=2, num_layers=num_layers)
     run_route(route, src, dst, src_indices, dst_indices, _backend(block_quota, num_warps_per_block))
 
 
@@ -300,6 +317,7 @@ def transfer_kv_per_layer_mla(
             lf_side([dst], ["dst"], item_size, 1),
             (src,),
             (dst,),
+            names=(["src"], ["dst"]),
             layer_begin=0,
             layer_count=1,
             item_size=item_size,
@@ -330,6 +348,7 @@ def transfer_kv_per_layer_mla_pf_lf(
             lf_side([dst], ["dst"], item_size, side.num_layers),
             (src,),
             (dst,),
+            names=(["src"], ["dst"]),
             layer_begin=layer,
             layer_count=1,
             item_size=item_size,
@@ -357,13 +376,15 @@ def transfer_kv_all_layer_mla(
             pointer_tables([dst_layers], ["dst_layers"], num_layers, item_size),
             (src_layers,),
             (dst_layers,),
+            names=(["src_layers"], ["dst_layers"]),
             layer_begin=0,
             layer_count=num_layers,
             item_size=item_size,
             memory=(),
         )
 
-    route = cached_route("all_layer_mla", (src_layers, dst_layers), (item_size, num_layers), build, tables=2)
+    scalars = (item_size, num_layers)
+    route = cached_route("all_layer_mla", (src_layers, dst_layers), scalars, build, tables=2, num_layers=num_layers)
     backend = _backend(block_quota, num_warps_per_block)
     run_route(route, (src_layers,), (dst_layers,), src_indices, dst_indices, backend)
 
@@ -387,15 +408,15 @@ def transfer_kv_all_layer_mla_lf_pf(
             pf_side([dst], ["dst"], item_size, dst_layout_dim),
             (src_layers,),
             (dst,),
+            names=(["src_layers"], ["dst"]),
             layer_begin=0,
             layer_count=num_layers,
             item_size=item_size,
             memory=(dst,),
         )
 
-    route = cached_route(
-        "all_layer_mla_lf_pf", (dst, src_layers), (item_size, dst_layout_dim, num_layers), build, tables=1
-    )
+    scalars = (item_size, dst_layout_dim, num_layers)
+    route = cached_route("all_layer_mla_lf_pf", (dst, src_layers), scalars, build, tables=1, num_layers=num_layers)
     backend = _backend(block_quota, num_warps_per_block)
     run_route(route, (src_layers,), (dst,), src_indices, dst_indices, backend)
 
@@ -437,6 +458,7 @@ def transfer_kv_direct(
             side(dst, "dst_layers"),
             tuple(src),
             tuple(dst),
+            names=("src_layers", "dst_layers"),
             layer_begin=0,
             layer_count=len(src),
             item_size=row,
@@ -479,7 +501,8 @@ def transfer_kv_all_layer_direct_lf_pf(
         if host is None:
             raise ValueError(f"src_ptrs: {n} layers per K/V, more than the {L} layers of dst_ptrs[0]")
         dev = direct_device(src, "src_ptrs", num_kv, dst[0], "dst_ptrs[0]")
-        return make_route(dev, host, tuple(src), tuple(dst), layer_begin=0, layer_count=n, item_size=host.s_in_page)
+        return make_route(dev, host, tuple(src), tuple(dst), names=("src_ptrs", "dst_ptrs"), layer_begin=0,
+                          layer_count=n, item_size=host.s_in_page)  # fmt: skip
 
     route = cached_route("all_layer_direct_lf_pf", (dst_ptrs, src_ptrs), (page_size,), build)
     run_route(
@@ -514,7 +537,8 @@ def transfer_kv_per_layer_direct_pf_lf(
         if layer_id < 0 or host is None:
             raise ValueError(f"layer_id: expected an int in [0, {L - n + 1}) for {n} layer(s) per K/V, got {layer_id}")
         dev = direct_device(dst, "dst_ptrs", num_kv, src[0], "src_ptrs[0]")
-        return make_route(host, dev, tuple(src), tuple(dst), layer_begin=0, layer_count=n, item_size=host.s_in_page)
+        return make_route(host, dev, tuple(src), tuple(dst), names=("src_ptrs", "dst_ptrs"), layer_begin=0,
+                          layer_count=n, item_size=host.s_in_page)  # fmt: skip
 
     route = cached_route("per_layer_direct_pf_lf", (src_ptrs, dst_ptrs), (layer_id, page_size), build)
     run_route(
