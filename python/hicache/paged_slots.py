@@ -5,6 +5,7 @@ checks all given slots first and changes nothing when any is wrong."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from enum import IntEnum
 
 import numpy as np
@@ -172,13 +173,16 @@ class _PagedSlots:
         target: SlotState,
         reasons: dict[SlotState, str],
         whole_pages: bool = False,
+        guard: Callable[[np.ndarray, np.ndarray | None], None] | None = None,
     ) -> None:
         """Move every slot from one of ``sources`` to ``target``, all or nothing; ``target`` FREE releases
         the slots' pages to the free stack.
 
         The usual input (whole pages, each in order, as alloc hands them out and the tree keeps them)
         takes O(n) checks and page-indexed updates, no sort; anything else, or any wrong state, goes
-        through the full parse, which accepts it or names the fault the same way."""
+        through the full parse, which accepts it or names the fault the same way. ``guard(slots, pages)``
+        is the caller's last check of slots that passed these (``pages``: one per page, in order, on the
+        usual input, else None); it raises to refuse them, before anything changes."""
         quick = isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int64, torch.int32)
         with self._lock:
             if quick:
@@ -190,6 +194,8 @@ class _PagedSlots:
                     for src in sources[1:]:
                         ok |= cur == np.uint8(src)
                     if ok.all():
+                        if guard is not None:
+                            guard(s, pages)
                         self._page_states[pages] = np.uint8(target)
                         if target == SlotState.FREE:
                             self._push(pages)
@@ -201,6 +207,8 @@ class _PagedSlots:
             bad = ~np.isin(cur, np.array(sources, dtype=np.uint8))
             if bad.any():
                 raise ValueError(self._message(method, s[bad], cur[bad], sources, reasons))
+            if guard is not None:
+                guard(s, None)
             self._states[s] = target
             if target == SlotState.FREE:
                 self._push(np.unique(s // self.page_size))

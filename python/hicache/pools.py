@@ -18,8 +18,9 @@ Both allocators hand out whole pages (``page_size`` consecutive slots: page ``p`
 ``[p * page_size, (p + 1) * page_size)``) and take back only whole allocated pages. Every state change
 checks every given slot first and changes nothing when any is wrong (``ValueError`` naming the method,
 the slots and their states), so a controller bug surfaces at the call that made it, not as corrupted
-KV data later. All methods are thread-safe: the controller's transfer threads and the scheduler share
-the pools.
+KV data later. The device pool also knows which allocated slots a radix tree holds (rather than a
+request): :meth:`DeviceKVPool.free` refuses those, naming the tree node (:meth:`DeviceKVPool.add_owner`).
+All methods are thread-safe: the controller's transfer threads and the scheduler share the pools.
 
 Units: slots are token slots (not pages, not bytes); ``*_bytes`` are bytes; ``*_gb`` arguments are
 GiB (2**30 bytes).
@@ -43,7 +44,8 @@ True
 
 from __future__ import annotations
 
-import os
+import weakref
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,11 +53,23 @@ import torch
 from hicache_kernels import layouts
 from hicache_kernels.ops import SUPPORTED_DTYPES
 
+from . import host_memory
 from .paged_slots import _FREE, SlotState, _fmt_slots, _PagedSlots, _positive_int
 
-__all__ = ["DeviceKVPool", "HostKVPool", "SlotState"]
+__all__ = ["DeviceKVPool", "HostKVPool", "SlotOwner", "SlotState"]
 
 _GIB = 1 << 30
+
+
+class SlotOwner(Protocol):
+    """Something that holds device slots beyond a request (a radix tree): :meth:`DeviceKVPool.free`
+    refuses the slots it holds."""
+
+    owned: np.ndarray  # bool, one per slot of the pool: True where this owner holds the slot
+
+    def describe(self, slots: np.ndarray) -> str:
+        """Who holds ``slots`` (all held by this owner), for an error message: e.g. the tree's nodes."""
+        ...
 
 
 class DeviceKVPool:
@@ -149,6 +163,8 @@ class DeviceKVPool:
         first = self.device_k if stacked else self.device_k[0]
         self.device = first.device  # "cuda" resolves to the current device index
         self._slots = _PagedSlots(num_slots, page_size)
+        # Owners of slots (add_owner) by weak reference, each with its flags' first-slot-of-page view.
+        self._owners: list[tuple[weakref.ref[SlotOwner], np.ndarray]] = []
 
     @property
     def device_k(self) -> torch.Tensor | list[torch.Tensor]:
@@ -188,11 +204,48 @@ class DeviceKVPool:
         """Return whole allocated pages to the pool.
 
         Raises ``ValueError`` (and frees nothing) for a slot out of range, repeated, not yet allocated
-        (double free or never allocated), or a page given only in part.
+        (double free or never allocated), a page given only in part, or held by an owner (a radix tree
+        node: the message names it; see :meth:`add_owner`): a request frees only its own slots, the tree
+        frees its own when it evicts them.
         """
         self._slots.transition(
-            "free", slots, (SlotState.RESERVED,), SlotState.FREE, {SlotState.FREE: "double free"}, whole_pages=True
+            "free",
+            slots,
+            (SlotState.RESERVED,),
+            SlotState.FREE,
+            {SlotState.FREE: "double free"},
+            whole_pages=True,
+            guard=self._refuse_owned if self._owners else None,
         )
+
+    def add_owner(self, owner: SlotOwner) -> None:
+        """Let ``owner`` (e.g. a radix tree's :class:`~hicache.slot_check.TreeDeviceSlots`) hold slots:
+        :meth:`free` refuses every slot where ``owner.owned`` (one bool per slot, kept current by the
+        owner; it holds whole pages) is True, naming them with ``owner.describe``. The owner releases a
+        slot by clearing its flag before it frees it. Held by weak reference: an owner that is gone holds
+        nothing."""
+        owned = getattr(owner, "owned", None)
+        if not isinstance(owned, np.ndarray) or owned.dtype != np.bool_ or owned.shape != (self.size,):
+            raise TypeError(f"owner: expected an object whose owned is a bool numpy array of {self.size} slots")
+        live = [(ref, first) for ref, first in self._owners if ref() is not None]
+        self._owners = [*live, (weakref.ref(owner), owned[:: self.page_size])]
+
+    def _refuse_owned(self, s: np.ndarray, pages: np.ndarray | None) -> None:
+        """``ValueError`` when an owner holds a slot of ``s`` (checked, allocated slots about to be freed;
+        ``pages``: their pages when whole and in order, so a page's first slot speaks for it)."""
+        for ref, first in self._owners:
+            owner = ref()
+            if owner is None:
+                continue
+            if pages is not None and not np.count_nonzero(first[pages]):
+                continue
+            held = owner.owned[s]
+            if np.count_nonzero(held):
+                bad = s[held]
+                raise ValueError(
+                    f"free: slot(s) {_fmt_slots(bad)} are held by {owner.describe(bad)}; free only slots a request "
+                    "holds itself (the tree frees its slots when it evicts them); no slot was changed"
+                )
 
     def is_allocated(self, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Bool tensor: whether each of ``slots`` (default: every slot) is allocated."""
@@ -222,22 +275,6 @@ class DeviceKVPool:
         )
 
 
-def _mem_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the free physical
-    pages; None when neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 class HostKVPool:
     """The pinned host KV pool in one host layout, with a per-slot state machine.
 
@@ -250,12 +287,15 @@ class HostKVPool:
     size_gb : host pool size in GiB; wins over ``ratio`` when given.
     pin_memory : pin ``buffer`` (page-locked, so the GPU can DMA it and the zero-copy backends can read
         it). Default: pinned iff the device pool is on CUDA. ``True`` without CUDA raises ``ValueError``.
+        Pinned memory is exactly the pool's bytes rounded up to OS pages (:mod:`hicache.host_memory`;
+        not torch's caching host allocator, which rounds up to a power of two).
     safety_margin_gb : GiB of available RAM to leave untouched (default 2.0).
     mem_available_bytes : available RAM in bytes; default read from ``/proc/meminfo`` (MemAvailable).
 
     The size is rounded down to whole pages. ``ValueError`` naming ``size_gb`` or ``ratio`` when the
     request is not positive, not larger than the device pool (as in SGLang's HiCache, host eviction
-    assumes every device page can have a host copy), or more than available RAM minus the margin.
+    assumes every device page can have a host copy), or more than available RAM minus the margin
+    (counting what the allocation really takes: ``allocated_bytes``).
 
     Attributes
     ----------
@@ -263,6 +303,9 @@ class HostKVPool:
         pass it as ``host`` to :mod:`hicache_kernels.ops` with ``layout`` and ``page_size``.
     layout, size, page_size, num_layers, head_num, head_dim, dtype, mla, item_bytes : as above.
     pinned : whether ``buffer`` is pinned.
+    allocated_bytes : host RAM ``buffer`` takes: ``total_bytes`` rounded up to OS pages when pinned,
+        ``total_bytes`` when pageable.
+    pinned_bytes : page-locked bytes: ``allocated_bytes`` when pinned, else 0.
 
     Examples
     --------
@@ -320,18 +363,21 @@ class HostKVPool:
             )
         if safety_margin_gb < 0:
             raise ValueError(f"safety_margin_gb: expected a non-negative margin, got {safety_margin_gb!r}")
-        available = _mem_available_bytes() if mem_available_bytes is None else int(mem_available_bytes)
-        need = size * per_slot
-        if available is not None and need > available - safety_margin_gb * _GIB:
-            raise ValueError(
-                f"{arg}: host pool of {need / _GIB:.2f} GiB ({size} slots x {per_slot} bytes) does not fit in "
-                f"available RAM {available / _GIB:.2f} GiB minus the safety margin {safety_margin_gb:.2f} GiB"
-            )
-
         if pin_memory is None:
             pin_memory = device_pool.device.type == "cuda"
+        pin_memory = bool(pin_memory)
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory: pinning needs CUDA (torch.cuda.is_available() is False)")
+        # What the allocation really takes (pinned memory comes in whole OS pages), not the pool's bytes.
+        need = host_memory.allocated_bytes(size * per_slot, pin_memory)
+        available = host_memory.mem_available_bytes() if mem_available_bytes is None else int(mem_available_bytes)
+        if available is not None and need > available - safety_margin_gb * _GIB:
+            pinned = f", {need} bytes pinned in whole {host_memory.PAGE_BYTES}-byte pages" if pin_memory else ""
+            raise ValueError(
+                f"{arg}: host pool of {need / _GIB:.2f} GiB ({size} slots x {per_slot} bytes{pinned}) does not fit "
+                f"in available RAM {available / _GIB:.2f} GiB minus the safety margin {safety_margin_gb:.2f} GiB"
+            )
+
         shape = layouts.host_shape(
             layout,
             mla=self.mla,
@@ -341,8 +387,10 @@ class HostKVPool:
             head_num=self.head_num,
             head_dim=self.head_dim,
         )
-        self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=bool(pin_memory))
-        self.pinned = bool(pin_memory)
+        self.buffer = host_memory.empty_host(shape, self.dtype, pin=pin_memory)
+        self.allocated_bytes = need
+        self.pinned_bytes = need if pin_memory else 0
+        self.pinned = pin_memory
         self.size = size
         self._slots = _PagedSlots(size, self.page_size)
 
@@ -555,6 +603,6 @@ class HostKVPool:
     def __repr__(self) -> str:
         return (
             f"HostKVPool({'MLA' if self.mla else 'MHA'}, {self.layout}, size={self.size}, "
-            f"page_size={self.page_size}, {self.dtype}, {'pinned' if self.pinned else 'pageable'}, "
-            f"{self.total_bytes / _GIB:.3f} GiB)"
+            f"page_size={self.page_size}, {self.dtype}, {self.total_bytes / _GIB:.3f} GiB, "
+            f"{f'pinned {self.pinned_bytes} bytes' if self.pinned else 'pageable'})"
         )

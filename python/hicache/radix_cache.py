@@ -155,7 +155,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         self._ids = itertools.count(1)
         self._clock = 0
         self._closed = False
-        self._slots = TreeDeviceSlots(device_pool)
+        self._slots = TreeDeviceSlots(device_pool, self._nodes)
         self._tree: CompiledTree | None = None
         if self.tree_core == "compiled":
             self._tree = CompiledTree(self.page_size, device_pool._state_array(), self._slots.owned)

@@ -8,28 +8,36 @@ work on its own slots (no sort, no pass over the pool).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import numpy as np
 import torch
 
 from .pools import DeviceKVPool, _fmt_slots
 
 ARG = "device_indices"
+_SHOW_NODES = 3  # nodes named in a refused free before "..."
 
 
 class TreeDeviceSlots:
     """Ownership of device slots by the tree (``owned``, one bool per slot) and the per-call check.
 
     Every change of a node's device slots goes through :meth:`take` / :meth:`free`, so ``owned`` is
-    what :meth:`HiRadixCache.verify` finds in the nodes (it checks that it is).
+    what :meth:`HiRadixCache.verify` finds in the nodes (it checks that it is). The pool knows it too
+    (:meth:`DeviceKVPool.add_owner`): a caller's ``device_pool.free`` of a slot the tree holds is
+    refused, naming the node (from ``nodes``: the tree's nodes, walked only then).
     """
 
-    def __init__(self, pool: DeviceKVPool) -> None:
+    def __init__(self, pool: DeviceKVPool, nodes: Callable[[], Iterable[Any]]) -> None:
         self.pool = pool
         self.page_size = pool.page_size
         self.owned = np.zeros(pool.size, dtype=bool)
+        self._tree_nodes = nodes
         self._offsets = np.arange(pool.page_size, dtype=np.int64)
         self._scratch = np.empty(pool.size // pool.page_size, dtype=np.int64)
         self._index = np.arange(pool.size // pool.page_size, dtype=np.int64)
+        pool.add_owner(self)
 
     def as_array(self, slots: object, num_tokens: int) -> np.ndarray:
         """``slots`` as int64 numpy (sharing the tensor's memory when it can), or ``TypeError`` /
@@ -136,6 +144,29 @@ class TreeDeviceSlots:
         self.owned[slots.numpy()] = True
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return ``slots`` (owned by the tree) to the device pool."""
-        self.pool.free(slots)
-        self.owned[slots.numpy()] = False
+        """Return ``slots`` (owned by the tree) to the device pool: the tree lets go of them first, so the
+        pool's free accepts them (and holds them again if it refuses)."""
+        s = slots.numpy()
+        self.owned[s] = False
+        try:
+            self.pool.free(slots)
+        except BaseException:
+            self.owned[s] = True
+            raise
+
+    def describe(self, slots: np.ndarray) -> str:
+        """The nodes that hold ``slots`` (tree-owned), for the pool's refusal: a walk of the tree, which only
+        that error path takes."""
+        named: list[str] = []
+        for node in self._tree_nodes():
+            value = node.value
+            if value is None:
+                continue
+            v = value.numpy()
+            hit = np.isin(v, slots)
+            if np.count_nonzero(hit):
+                named.append(f"node {node.id} ({node.num_tokens} tokens; slots {_fmt_slots(v[hit])})")
+        if not named:
+            return "the radix tree (no node lists them: run verify())"
+        more = f", ... ({len(named)} nodes)" if len(named) > _SHOW_NODES else ""
+        return f"the radix tree: {', '.join(named[:_SHOW_NODES])}{more}"
