@@ -95,7 +95,7 @@ def prefill(cache: HiRadixCache, tokens: list[int]) -> int:
 def evict_and_reload(cache: HiRadixCache, tokens: list[int], wait_layer: int | None = None) -> torch.Tensor:
     """Back up ``tokens`` (already inserted), evict the whole device tier, load the prefix back and
     check its KV bytes; returns the new device slots. ``wait_layer``: wait on the layer counter first."""
-    cache.check_writes()
+    cache.flush()
     cache.evict(cache.device_pool.size)
     m = cache.match_prefix(tokens)
     assert m.host_hit_length == len(tokens)
@@ -103,7 +103,7 @@ def evict_and_reload(cache: HiRadixCache, tokens: list[int], wait_layer: int | N
     cache.start_loading()
     if wait_layer is not None:
         cache.controller.layer_counter.wait_until(wait_layer)
-    cache.check_loads()
+    cache.flush()
     slots = cache.match_prefix(tokens).device_indices
     check_kv(cache, tokens, slots)
     return slots

@@ -25,6 +25,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def no_ordering_hazards():
+    """Fails a test during which a deferred-completion device (:mod:`hicache.deferred`; every cache on
+    CPU pools runs under one when HICACHE_DEFERRED_SEED is set) caught a stream-ordering hazard, even
+    when the code under test caught the error. A test that provokes hazards on purpose clears
+    ``hazard_log()`` itself."""
+    from hicache.deferred import hazard_log
+
+    log = hazard_log()
+    start = len(log)
+    yield
+    new = log[start:]
+    del log[start:]
+    if new:
+        pytest.fail(f"{len(new)} stream-ordering hazard(s) under the deferred device model; first: {new[0]}")
+
+
 @pytest.fixture(params=["compiled", "python"])
 def each_tree_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test once per radix-tree core (HiRadixCache's default comes from HICACHE_TREE_CORE);

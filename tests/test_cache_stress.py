@@ -784,20 +784,20 @@ def test_long_seeded_run(each_tree_core):
 
 
 class SlowCopies:
-    """Wraps a controller's ``_execute`` to sleep a random 0-2 ms first, so copies overlap the driver."""
+    """Wraps a controller's ``_issue`` to sleep a random 0-2 ms first, so copies overlap the driver."""
 
     def __init__(self, controller, seed: int, max_s: float = 0.002) -> None:
-        self.inner = controller._execute
+        self.inner = controller._issue
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.max_s = max_s
-        controller._execute = self
+        controller._issue = self
 
-    def __call__(self, op) -> None:
+    def __call__(self, op, stream) -> None:
         with self.lock:
             delay = self.rng.uniform(0, self.max_s)
         time.sleep(delay)
-        self.inner(op)
+        self.inner(op, stream)
 
 
 @pytest.mark.parametrize("write_policy", POLICIES)

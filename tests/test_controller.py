@@ -33,7 +33,7 @@ def pools(device="cpu", pin=False, layout="page_first", page_size=1):
     return dev, HostKVPool(dev, layout=layout, ratio=2.0, pin_memory=pin)
 
 
-def test_layer_done_counter_blocks_until_the_layer_is_loaded():
+def test_layer_counter_blocks_until_the_layer_is_loaded():
     counter = LayerDoneCounter(3)
     counter.wait_until(2)  # nothing in flight: ready at once
     counter.start()
@@ -48,32 +48,32 @@ def test_layer_done_counter_blocks_until_the_layer_is_loaded():
     t.start()
     time.sleep(0.05)
     assert seen == []
-    counter.layer_done(0)
-    counter.layer_done(1)
+    counter.layer_issued(0)
+    counter.layer_issued(1)
     time.sleep(0.05)
     assert seen == [0, 1]
-    counter.layer_done(2)
+    counter.layer_issued(2)
     t.join(5)
     assert seen == [0, 1, 2] and counter.layers_done == 3
 
 
-def test_layer_done_counter_keeps_overlapping_batches_apart():
+def test_layer_counter_keeps_overlapping_batches_apart():
     counter = LayerDoneCounter(2)
     first = counter.start()
     second = counter.start()
-    counter.layer_done(0, generation=first)
-    counter.layer_done(1, generation=first)  # the old batch completes...
+    counter.layer_issued(0, generation=first)
+    counter.layer_issued(1, generation=first)  # the old batch completes...
     with pytest.raises(TimeoutError):
         counter.wait_until(0, timeout=0.01)  # ...which says nothing about the newest one
-    counter.layer_done(0, generation=second)
+    counter.layer_issued(0, generation=second)
     counter.wait_until(0)
     counter.wait_until(1, generation=first)  # a finished batch stays ready
     assert counter.layers_done == 1
     with pytest.raises(ValueError, match="generation"):
-        counter.layer_done(0, generation=99)
+        counter.layer_issued(0, generation=99)
 
 
-def test_layer_done_counter_times_out():
+def test_layer_counter_times_out():
     counter = LayerDoneCounter(2)
     counter.start()
     with pytest.raises(TimeoutError, match="layer 0"):
@@ -84,19 +84,22 @@ def test_load_ticks_layers_in_order():
     dev, host = pools()
     ctrl = HiCacheController(dev, host, io_backend="direct", threaded=False)
     ticks = []
-    original = ctrl.layer_counter.layer_done
-    ctrl.layer_counter.layer_done = lambda layer, stream=None, generation=None: (
+    original = ctrl.layer_counter.layer_issued
+    ctrl.layer_counter.layer_issued = lambda layer, stream=None, generation=None: (
         ticks.append(layer),
         original(layer, stream, generation),
     )
     slots = dev.alloc(4)
     hs = ctrl.write(slots, node_id=1)
+    ctrl.flush()  # landed: a copy is done when its event says so, not when it was issued
     assert ctrl.finished_writes() == [(1, None)]
     host.mark_synced(hs)
     ctrl.load(hs, slots, node_id=2)
     assert ticks == []  # queued, not started
     assert ctrl.start_loading() == 1
-    assert ticks == [0, 1, 2, 3] and ctrl.finished_loads() == [(2, None)]
+    assert ticks == [0, 1, 2, 3]  # issued inline
+    ctrl.flush()
+    assert ctrl.finished_loads() == [(2, None)]
     ctrl.close()
 
 
@@ -141,22 +144,22 @@ def test_failed_copy_is_acknowledged_with_its_error_and_the_controller_keeps_wor
 
 
 class Gate:
-    """Wraps a controller's ``_execute``: the first copy of ``kind`` waits (in the worker) until
+    """Wraps a controller's ``_issue``: the first copy of ``kind`` waits (in the worker) until
     :attr:`opened` is set; :attr:`entered` says it is waiting, so later copies queue behind it."""
 
     def __init__(self, controller: HiCacheController, kind: str) -> None:
-        self.inner = controller._execute
+        self.inner = controller._issue
         self.kind = kind
         self.entered = threading.Event()
         self.opened = threading.Event()
-        controller._execute = self
+        controller._issue = self
 
-    def __call__(self, op) -> None:
+    def __call__(self, op, stream) -> None:
         if op.kind == self.kind and not self.entered.is_set():
             self.entered.set()
             if not self.opened.wait(HANG_S):
                 raise TimeoutError("gate never opened")
-        self.inner(op)
+        self.inner(op, stream)
 
 
 def open_after_drop(controller: HiCacheController, *gates: Gate) -> None:
@@ -494,7 +497,8 @@ def test_verify_notices_a_host_slot_in_flight_without_a_copy():
 
 def test_verify_notices_acks_taken_behind_the_trees_back():
     c = make_cache(device_slots=32)
-    prefill(c, list(range(8)))  # inline backup: done, its ack waits for the tree
+    prefill(c, list(range(8)))  # inline backup issued, its ack waits for the tree
+    c.controller.flush()  # landed
     c.controller.finished_writes()  # taken by someone else: the node would stay locked forever
     with pytest.raises(AssertionError, match="writes in flight"):
         c.verify()

@@ -6,7 +6,6 @@ the host; on a GPU the load stream is delayed with ``torch.cuda._sleep``."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
@@ -95,7 +94,7 @@ def test_consumer_of_an_older_batch_waits_for_its_copies_not_just_their_issue():
 
     def issue(batch: int, generation: int, layer: int) -> None:
         clock.stream.enqueue(lambda: dev[batch, layer].copy_(host[batch, layer]))
-        counter.layer_done(layer, clock.stream, generation)
+        counter.layer_issued(layer, clock.stream, generation)
 
     first = counter.start()
     for layer in range(L - 1):
@@ -152,7 +151,7 @@ def test_consumer_blocked_before_the_issue_then_waits_for_the_copy():
     for batch, gen in ((0, first), (1, second)):
         for layer in range(L):
             clock.stream.enqueue(lambda b=batch, k=layer: dev[b, k].copy_(host[b, k]))
-            counter.layer_done(layer, clock.stream, gen)
+            counter.layer_issued(layer, clock.stream, gen)
     t.join(10)
     assert not t.is_alive() and errors == []
     assert seen == [2.0]
@@ -185,11 +184,11 @@ def test_sequential_batches_reuse_a_fixed_ring_of_events():
     for _ in range(5 * slots):
         gen = counter.start()
         for layer in range(L):
-            counter.layer_done(layer, clock.stream, gen)
+            counter.layer_issued(layer, clock.stream, gen)
         counter.wait_until(L - 1)
         counter.finish(gen)
         assert counter.in_flight == ()
-    assert clock.created == slots * L  # created once, never per batch or per layer_done
+    assert clock.created == slots * L  # created once, never per batch or per layer_issued
 
 
 def test_start_blocks_while_every_slot_is_held_until_one_finishes():
@@ -201,7 +200,7 @@ def test_start_blocks_while_every_slot_is_held_until_one_finishes():
     started: list[int] = []
     t = threading.Thread(target=lambda: started.append(counter.start()), daemon=True)
     t.start()
-    counter.layer_done(0, generation=first)
+    counter.layer_issued(0, generation=first)
     counter.finish(first)
     t.join(10)
     assert not t.is_alive() and started == [first + 1]
@@ -211,15 +210,15 @@ def test_start_blocks_while_every_slot_is_held_until_one_finishes():
 def test_layers_are_done_in_order_and_finish_needs_them_all():
     counter = LayerDoneCounter(3)
     gen = counter.start()
-    counter.layer_done(0, generation=gen)
+    counter.layer_issued(0, generation=gen)
     assert counter.layers_done == 1  # no events (CPU copies are synchronous): issued is loaded
     with pytest.raises(ValueError, match="layer"):
-        counter.layer_done(0, generation=gen)  # already done
+        counter.layer_issued(0, generation=gen)  # already done
     with pytest.raises(ValueError, match="layer"):
-        counter.layer_done(3, generation=gen)
+        counter.layer_issued(3, generation=gen)
     with pytest.raises(ValueError, match="1 of 3 layers"):
         counter.finish(gen)
-    counter.layer_done(2, generation=gen)  # skipping ahead covers layer 1 too
+    counter.layer_issued(2, generation=gen)  # skipping ahead covers layer 1 too
     counter.wait_until(1, timeout=0)
     counter.finish(gen)
     with pytest.raises(ValueError, match="generation"):
@@ -259,7 +258,7 @@ def pools() -> tuple[DeviceKVPool, HostKVPool]:
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-def test_controller_finishes_each_load_batch_before_its_ack(threaded):
+def test_controller_finishes_each_load_batch_by_its_ack(threaded):
     dev, host = pools()
     with HiCacheController(dev, host, io_backend="direct", threaded=threaded) as ctrl:
         counter = ctrl.layer_counter
@@ -275,12 +274,9 @@ def test_controller_finishes_each_load_batch_before_its_ack(threaded):
             ctrl.load(hs, slots, node_id=i)
             gen = ctrl.start_loading()
             counter.wait_until(dev.num_layers - 1, timeout=10, generation=gen)
-            for _ in range(10_000):  # the worker acks right after the last layer; bounded, not timed
-                if ctrl.ack_load_queue.qsize():
-                    break
-                time.sleep(0.001)
-            assert gen not in counter.in_flight  # released by the time the ack is visible
+            ctrl.flush()  # landed
             assert ctrl.finished_loads() == [(i, None)]
+            assert gen not in counter.in_flight  # released by the time its ack is taken
             assert torch.equal(dev.k[:, slots], expected)
             host.mark_synced(hs)
         assert counter.in_flight == ()
@@ -290,6 +286,7 @@ def test_controller_aborts_a_failed_load_so_its_consumers_fail_fast():
     dev, host = pools()
     ctrl = HiCacheController(dev, host, io_backend="direct", threaded=False)
     hs = ctrl.write(dev.alloc(2), node_id=0)
+    ctrl.flush()
     assert ctrl.finished_writes() == [(0, None)]
     host.mark_synced(hs)
     ctrl.load(hs, torch.tensor([0, 999]), node_id=1)  # device slot out of range: the copy raises
@@ -324,7 +321,7 @@ def test_gpu_consumer_of_an_older_batch_reads_what_its_delayed_copies_loaded():
         with torch.cuda.stream(load):
             torch.cuda._sleep(SLEEP_CYCLES)
             dev[batch, layer].copy_(host[batch, layer], non_blocking=True)  # pinned: truly async
-        counter.layer_done(layer, load, generation)
+        counter.layer_issued(layer, load, generation)
 
     first = counter.start()
     for layer in range(L - 1):

@@ -65,7 +65,7 @@ def test_backup_evict_load_back_reproduces_kv(layout, mla, stacked):
     with make_cache(device_slots=32, page_size=4, layout=layout, mla=mla, stacked=stacked) as c:
         toks = list(range(300, 324))
         prefill(c, toks)
-        c.check_writes()
+        c.flush()
         assert c.evict(32) == 24
         m = c.match_prefix(toks)
         assert len(m.device_indices) == 0 and m.host_hit_length == 24
@@ -73,7 +73,7 @@ def test_backup_evict_load_back_reproduces_kv(layout, mla, stacked):
         dev = c.load_back(m.last_host_node)
         assert dev is not None and len(dev) == 24
         c.start_loading()
-        c.check_loads()
+        c.flush()
         c.verify(external_device=held)
         check_kv(c, toks, c.match_prefix(toks).device_indices)
         c.device_pool.free(held)
@@ -86,7 +86,7 @@ def test_nodes_are_locked_while_copies_are_in_flight():
         (node,) = c.root.children.values()
         assert node.lock_ref == 1  # the backup holds it
         assert c.evict(32) == 0  # locked: nothing evictable
-        c.check_writes()
+        c.flush()
         assert node.lock_ref == 0
         assert c.evict(32) == 20
 
@@ -94,7 +94,7 @@ def test_nodes_are_locked_while_copies_are_in_flight():
 def test_lock_ref_protects_and_never_goes_negative():
     with make_cache(device_slots=32) as c:
         prefill(c, list(range(16)))
-        c.check_writes()
+        c.flush()
         m = c.match_prefix(list(range(16)))
         c.inc_lock_ref(m.last_device_node)
         assert c.evict(32) == 0 and c.protected_size() == 16 and c.evictable_size() == 0
@@ -118,7 +118,7 @@ def test_write_through_selective_backs_up_on_second_hit():
         toks = list(range(16))
         prefill(c, toks)
         c.match_prefix(toks)
-        c.check_writes()
+        c.flush()
         assert c.metrics.tokens_written == 16
         (node,) = c.root.children.values()
         assert node.host_value is not None
@@ -139,7 +139,7 @@ def test_load_back_threshold_and_budget():
     with make_cache(device_slots=32, load_back_threshold=10) as c:
         prefill(c, list(range(8)))
         prefill(c, list(range(100, 120)))
-        c.check_writes()
+        c.flush()
         c.evict(32)
         short = c.match_prefix(list(range(8)))
         assert c.load_back(short.last_host_node) is None  # 8 < threshold 10
@@ -148,7 +148,7 @@ def test_load_back_threshold_and_budget():
         assert c.metrics.load_backs_skipped == 2
         assert c.load_back(long.last_host_node) is not None
         c.start_loading()
-        c.check_loads()
+        c.flush()
         c.verify()
 
 
@@ -158,7 +158,7 @@ def test_load_back_without_device_room_is_skipped_and_changes_nothing():
     with make_cache(device_slots=16, host_ratio=4.0) as c:
         toks = list(range(12))
         prefill(c, toks)
-        c.check_writes()
+        c.flush()
         c.evict(16)
         held = c.device_pool.alloc(8)  # a running request's slots: not evictable
         m = c.match_prefix(toks)
@@ -175,10 +175,10 @@ def test_load_back_without_device_room_is_skipped_and_changes_nothing():
 def test_host_pool_full_refuses_backups_after_host_eviction():
     with make_cache(device_slots=16, host_ratio=1.5) as c:  # host: 24 slots
         prefill(c, list(range(16)))
-        c.check_writes()
+        c.flush()
         c.evict(16)  # 16 tokens host-only
         prefill(c, list(range(100, 116)))  # needs 16 host slots: 8 free -> evicts the host-only node
-        c.check_writes()
+        c.flush()
         assert c.metrics.host_evicted_tokens == 16
         c.verify()
         m = c.match_prefix(list(range(16)))
@@ -211,7 +211,7 @@ def test_eviction_policies_pick_the_expected_victim(policy, first_evicted):
             c.match_prefix(seqs["a"])
         c.match_prefix(seqs["c"])
         c.match_prefix(seqs["c"])
-        c.check_writes()
+        c.flush()
         c.evict(8)
         gone = [name for name, s in seqs.items() if len(c.match_prefix(s).device_indices) == 0]
         assert gone == [first_evicted], (policy, gone)
@@ -233,7 +233,7 @@ def test_metrics_count_hits_per_tier():
     with make_cache(device_slots=32) as c:
         toks = list(range(20))
         prefill(c, toks)
-        c.check_writes()
+        c.flush()
         c.evict(10)
         c.match_prefix(toks + [99])
         m = c.metrics.as_dict()
@@ -248,7 +248,7 @@ def test_threaded_cache_closes_cleanly():
     assert threading.active_count() == before + 2
     for i in range(5):
         prefill(c, list(range(i * 10, i * 10 + 6)))
-        c.check_writes()
+        c.flush()
     c.flush()
     c.verify()
     c.close()

@@ -95,20 +95,20 @@ class AgreeRecorder:
 
 
 class Stall:
-    """Wraps ``controller._execute``: every copy waits for the gate, which :meth:`pulse` opens until
+    """Wraps ``controller._issue``: every copy waits for the gate, which :meth:`pulse` opens until
     the queued copies have run, and :meth:`release` opens for good. Acks thus appear only at the
     driver steps where it pulses: deterministic, and as different from an inline controller as can be."""
 
     def __init__(self, controller) -> None:
         self.controller = controller
-        self.inner = controller._execute
+        self.inner = controller._issue
         self.gate = threading.Event()
-        controller._execute = self
+        controller._issue = self
 
-    def __call__(self, op) -> None:
+    def __call__(self, op, stream) -> None:
         if not self.gate.wait(TIMEOUT_S):
             raise TimeoutError("stalled copy never released")
-        self.inner(op)
+        self.inner(op, stream)
 
     def pulse(self) -> None:
         self.gate.set()

@@ -21,23 +21,23 @@ TOKENS = list(range(100, 124))
 
 def fail_on(cache, kind: str) -> None:
     """Make every ``kind`` copy ("write" or "load") of ``cache``'s controller raise."""
-    inner = cache.controller._execute
+    inner = cache.controller._issue
 
-    def execute(op):
+    def execute(op, stream):
         if op.kind == kind:
             raise OSError(f"injected {kind} failure")
-        return inner(op)
+        return inner(op, stream)
 
-    cache.controller._execute = execute
+    cache.controller._issue = execute
 
 
 def scenario_write(rank: int, group) -> dict:
     cache = build(tp_group=group)
     if rank == 1:
         fail_on(cache, "write")
-    insert_seq(cache, TOKENS)  # write-through: the backup is submitted (inline: acked at once)
+    insert_seq(cache, TOKENS)  # write-through: the backup is submitted (inline: issued at once)
     with pytest.raises(CopyError) as err:
-        cache.check_writes()
+        cache.flush()  # landed (and failed) everywhere: processed
     causes = [type(e).__name__ for _, _, e in err.value.failures]
     cache.verify()
     state = state_of(cache)

@@ -1,30 +1,35 @@
-"""HiCacheController: moves KV between the device pool and the host pool on an io-backend, off the
-scheduler's thread, and reports completions back to the tree.
+"""HiCacheController: moves KV between the device pool and the host pool on an io-backend, and reports
+completions back to the tree.
 
-- Writes (backups) and loads (load-backs) go through two queues, each served by a worker thread with
-  its own CUDA stream on a GPU. A finished copy is acknowledged on an ack queue; the tree processes
-  acks when it polls (:meth:`HiCacheController.finished_writes` / ``finished_loads``), so all tree
-  mutations stay on the scheduler's thread.
-- Loads run layer by layer and tick a :class:`LayerDoneCounter`, so a forward pass can start layer
-  ``k`` as soon as its KV has arrived while later layers are still loading. Each load batch keeps
-  its per-layer events until the copy has landed and is acknowledged (:meth:`LayerDoneCounter.finish`).
+- Writes (backups) and loads (load-backs) go through two queues, each served by a worker thread that
+  issues the copies on its own stream of the pools' device (:mod:`hicache.streams`: CUDA streams on a
+  GPU). Every ordering decision goes through that stream/event abstraction: a copy waits on an event
+  of the pools' current stream (the KV it reads was produced there), and a copy is *done* when an
+  event recorded after it completes, never when its launch returns. An issued copy is acknowledged
+  on an ack queue with that event; the tree takes the acks whose events completed when it polls
+  (:meth:`HiCacheController.finished_writes` / ``finished_loads``), so all tree mutations stay on the
+  scheduler's thread. :class:`~hicache.deferred.DeferredDevice` runs all of this on CPU pools with
+  copies that complete later than they are issued.
+- Loads run layer by layer and record a layer event each on the :class:`LayerDoneCounter`, so a
+  forward pass can start layer ``k`` as soon as its KV has arrived while later layers are still
+  loading. Each load batch keeps its per-layer events until it has landed.
 - A copy that fails (or is dropped by ``close(drain=False)``) is acknowledged like any other, with
-  its error: the tree rolls its nodes back when it processes the ack and raises :class:`CopyError`;
-  the controller itself keeps working. A failed or dropped load batch is aborted on the layer counter,
-  so its consumers get an error instead of waiting.
+  its error, and taken only once what it had issued before failing has landed: the tree rolls its
+  nodes back when it processes the ack (freeing slots no copy touches any more) and raises
+  :class:`CopyError`; the controller itself keeps working. A failed or dropped load batch is aborted
+  on the layer counter at once, so its consumers get an error instead of waiting.
 - The worker threads hold only their queues and a weak reference to the controller: a controller
   dropped without :meth:`HiCacheController.close` is collected, and its finalizer stops the workers.
 - Tensor parallelism: every rank runs the same tree logic; what differs between ranks is timing
-  (how many copies have finished). Whenever a decision depends on timing, ranks agree by an
-  all-reduce (MIN) over the given process group: always issued, whatever the local value, because a
-  collective skipped on one rank hangs the others.
+  (how many copies have landed). Whenever a decision depends on timing, ranks agree by an
+  all-reduce (MIN) over the given process group (gloo: the values are CPU tensors): always issued,
+  whatever the local value, because a collective skipped on one rank hangs the others.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -36,8 +41,10 @@ from hicache_kernels._names import IO_BACKENDS
 from hicache_kernels.backends import get_backend
 from hicache_kernels.binding import KVBinding
 
+from .deferred import DeferredDevice, env_seed
 from .layer_counter import LayerDoneCounter
 from .pools import DeviceKVPool, HostKVPool
+from .streams import CudaDevice, EagerDevice, KVRegion
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -120,8 +127,22 @@ class _Op:
     device_indices: torch.Tensor
     host_indices: torch.Tensor
     node_ids: list[int]
-    ready: Any = None  # CUDA event the copy must wait for (data produced on the scheduler's stream)
+    ready: Any = None  # event the copy must wait for (data produced on the pools' current stream)
     generation: int = 0  # the LayerDoneCounter batch of a load
+
+
+@dataclass
+class _Ack:
+    """A copy issued (or dropped): its nodes, its error (None: completed), and the event recorded after
+    everything it issued on its stream; it is taken by the tree only once ``done`` says so."""
+
+    kind: str
+    node_ids: list[int]
+    error: BaseException | None
+    done: Any = None  # None: nothing was issued (dropped unrun)
+    start: Any = None  # event before its first launch (for the copy time)
+    tokens: int = 0
+    generation: int = 0
 
 
 _STOP = object()
@@ -180,6 +201,36 @@ def _worker_loop(q: queue.Queue, controller_ref: weakref.ref) -> None:
             q.task_done()
 
 
+def _check_tp_group(tp_group: Any) -> None:
+    """The agreement collectives reduce CPU tensors: the group must have a gloo backend."""
+    if tp_group is None:
+        return
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("tp_group: torch.distributed is not initialized; pass None without tensor parallelism")
+    backend = str(dist.get_backend(tp_group)).lower()
+    if "gloo" not in backend:
+        raise ValueError(
+            f"tp_group: the cache's agreement collectives reduce CPU tensors and need a gloo group, got a "
+            f"{backend!r} group; pass a CPU (gloo) group over the same ranks (SGLang passes its tp_cpu_group), "
+            "e.g. torch.distributed.new_group(ranks, backend='gloo')"
+        )
+
+
+def _choose_device(device: torch.device, device_model: Any) -> Any:
+    """The :class:`~hicache.streams.StreamDevice` for pools on ``device`` (see ``device_model``)."""
+    if device_model is not None:
+        if device.type == "cuda":
+            raise ValueError("device_model: the deferred-completion model runs CPU pools only; got CUDA pools")
+        if not isinstance(device_model, DeferredDevice):
+            raise TypeError(f"device_model: expected a DeferredDevice, got {type(device_model).__name__}")
+        return device_model
+    if device.type == "cuda":
+        return CudaDevice(device)
+    seed = env_seed()
+    return EagerDevice() if seed is None else DeferredDevice(seed)
+
+
 class HiCacheController:
     """Moves KV between ``device_pool`` and ``host_pool`` (see module docstring).
 
@@ -190,11 +241,16 @@ class HiCacheController:
         backends); checked against the pools: the zero-copy backends need a pinned host pool when the
         device pool is on a GPU.
     write_policy : ``write_through``, ``write_through_selective`` or ``write_back`` (used by the tree).
-    tp_group : a ``torch.distributed`` process group whose ranks must take identical decisions, or None.
-    threaded : run copies on worker threads (default). ``False`` runs each copy inline when queued,
-        which makes a run deterministic (tests, debugging); a failed inline copy is acknowledged with
-        its error, as on a worker.
+    tp_group : a gloo ``torch.distributed`` process group whose ranks must take identical decisions,
+        or None (an NCCL group is refused: the agreements reduce CPU tensors).
+    threaded : issue copies on worker threads (default). ``False`` issues each copy when queued (a
+        run is then deterministic: tests, debugging); a failed copy is acknowledged with its error, as
+        on a worker.
     layer_wise : load layer by layer, ticking :attr:`layer_counter` (default); else all layers at once.
+    device_model : a :class:`~hicache.deferred.DeferredDevice` to run CPU pools under (copies complete
+        later than they are issued); None: :class:`~hicache.streams.CudaDevice` for GPU pools,
+        :class:`~hicache.streams.EagerDevice` for CPU pools, or a ``DeferredDevice`` when the
+        ``HICACHE_DEFERRED_SEED`` environment variable holds a seed. :attr:`device` is the one used.
     """
 
     def __init__(
@@ -207,6 +263,7 @@ class HiCacheController:
         tp_group: Any = None,
         threaded: bool = True,
         layer_wise: bool = True,
+        device_model: Any = None,
     ) -> None:
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
@@ -223,6 +280,8 @@ class HiCacheController:
                 f"io_backend: {io_backend!r} needs the device pool on a CUDA GPU (got {device_pool.device}); "
                 "use 'direct' (or 'triton' under TRITON_INTERPRET=1) with CPU pools"
             )
+        _check_tp_group(tp_group)
+        self.device = _choose_device(torch.device(device_pool.device), device_model)
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.io_backend = io_backend
@@ -236,17 +295,20 @@ class HiCacheController:
         self.layer_wise = layer_wise
         self.on_gpu = on_gpu
         self.metrics = CacheMetrics()
-        self.layer_counter = LayerDoneCounter(device_pool.num_layers, torch.device(device_pool.device))
-        self.ack_write_queue: queue.Queue[list[int]] = queue.Queue()
-        self.ack_load_queue: queue.Queue[list[int]] = queue.Queue()
+        events = self.device if self.device.has_events else None
+        self.layer_counter = LayerDoneCounter(device_pool.num_layers, events=events)
+        # Issued copies in issue order, per kind; taken by finished_* once their done events complete.
+        self.ack_write_queue: queue.Queue[_Ack] = queue.Queue()
+        self.ack_load_queue: queue.Queue[_Ack] = queue.Queue()
+        self._acks_seen: dict[str, list[_Ack]] = {"write": [], "load": []}  # pulled off a queue, not yet taken
         self._write_queue: queue.Queue[Any] = queue.Queue()
         self._load_queue: queue.Queue[Any] = queue.Queue()
         self._pending_loads: list[_Op] = []
         # Copies submitted whose ack the tree has not taken yet, per kind: node id -> count.
         self._outstanding: dict[str, Counter[int]] = {"write": Counter(), "load": Counter()}
         self._closed = False
-        self._write_stream = torch.cuda.Stream(device=device_pool.device) if on_gpu else None
-        self._load_stream = torch.cuda.Stream(device=device_pool.device) if on_gpu else None
+        self._write_stream = self.device.new_stream("write")
+        self._load_stream = self.device.new_stream("load")
         self._threads: list[threading.Thread] = []
         self._finalizer: weakref.finalize | None = None
         if threaded:
@@ -287,10 +349,13 @@ class HiCacheController:
             raise RuntimeError("HiCacheController is closed")
 
     def _ready_event(self) -> Any:
-        if not self.on_gpu:
+        """An event after the work the pools' device has queued so far on its current stream (the
+        forward that produced the KV a backup reads, the reads of slots a load overwrites). Recorded on
+        the *pools'* device, which need not be the current device."""
+        if not self.device.has_events:
             return None
-        ev = torch.cuda.Event()
-        ev.record()  # the scheduler's current stream produced (or will read) the device KV
+        ev = self.device.new_event()
+        ev.record(self.device.current_stream())
         return ev
 
     def write(self, device_indices: torch.Tensor, node_id: int, count_refusal: bool = True) -> torch.Tensor | None:
@@ -349,6 +414,7 @@ class HiCacheController:
             [i for p in pending for i in p.node_ids],
             self._ready_event(),
         )
+        self._release_landed_loads()
         op.generation = self.layer_counter.start()  # may time out: then the loads stay pending
         self._pending_loads = []
         self._submit(self._load_queue, op)
@@ -360,87 +426,163 @@ class HiCacheController:
         else:
             self._run(op)
 
-    # ------------------------------------------------------------------ workers
+    # ------------------------------------------------------------------ issuing copies
     def _run(self, op: _Op) -> None:
-        """Execute ``op`` and acknowledge it: with None when it completed, with its error when it raised
-        (a failed load batch is aborted on the layer counter first, so its consumers fail fast)."""
+        """Issue ``op`` on its stream and acknowledge it with an event recorded after everything it
+        issued; the ack is taken only once that event completes, also for a copy that failed part-way
+        (the layers it had issued may still be running: its roll-back must not free their slots
+        before they land). A failed load batch is aborted on the layer counter at once, so its
+        consumers fail fast."""
         acks = self.ack_write_queue if op.kind == "write" else self.ack_load_queue
+        stream = self._write_stream if op.kind == "write" else self._load_stream
+        ack = _Ack(op.kind, op.node_ids, None, tokens=len(op.device_indices), generation=op.generation)
         try:
-            self._execute(op)
+            ack.start = self.device.new_event(timing=True)
+            ack.start.record(stream)
+            self._issue(op, stream)
         except BaseException as exc:
+            ack.error = exc
             if op.kind == "load" and op.generation in self.layer_counter.in_flight:
                 self.layer_counter.abort(op.generation, exc)
-            acks.put((op.node_ids, exc))
-            if not self.threaded and not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt on the caller's thread stays an interrupt
-            return
-        acks.put((op.node_ids, None))
+        finally:
+            done = self.device.new_event(timing=True)
+            try:
+                done.record(stream)
+            except BaseException as exc:  # cannot tell when its work lands: wait for the whole stream
+                stream.synchronize()
+                done = None
+                ack.error = ack.error or exc
+            ack.done = done
+            acks.put(ack)
+        if ack.error is not None and not self.threaded and not isinstance(ack.error, Exception):
+            raise ack.error  # KeyboardInterrupt on the caller's thread stays an interrupt
 
-    def _execute(self, op: _Op) -> None:
-        if self.on_gpu:
-            with torch.cuda.device(self.device_pool.device):  # worker threads start on device 0
-                self._copy(op)
-        else:
-            self._copy(op)
-
-    def _copy(self, op: _Op) -> None:
-        dp = self.device_pool
-        stream = self._write_stream if op.kind == "write" else self._load_stream
-        start = time.perf_counter()
-        if stream is not None and op.ready is not None:
+    def _issue(self, op: _Op, stream: Any) -> None:
+        """Launch ``op``'s copies on ``stream`` after its ready event (nothing waits here)."""
+        dp, hp, dev = self.device_pool, self.host_pool, self.device
+        if op.ready is not None:
             stream.wait_event(op.ready)
-        # The pools were validated once (self.binding); each op checks its indices once (one sync).
+        d_idx, h_idx = op.device_indices, op.host_indices
+        backend_stream = stream if self.on_gpu else None
+        # The pools were validated once (self.binding); each op checks its indices once.
         if op.kind == "write":
-            self.binding.backup(op.device_indices, op.host_indices, backend=self.backend, stream=stream)
+            dev.launch(
+                stream,
+                lambda s: self.binding.backup(d_idx, h_idx, backend=self.backend, stream=s),
+                reads=[KVRegion(dp, d_idx)],
+                writes=[KVRegion(hp, h_idx)],
+                what=f"backup of nodes {op.node_ids}",
+            )
         elif self.layer_wise:
             # Indices checked and moved once per batch; each layer is one prepared launch.
-            loads = self.binding.layer_loads(op.device_indices, op.host_indices, backend=self.backend, stream=stream)
+            loads = self.binding.layer_loads(d_idx, h_idx, backend=self.backend, stream=backend_stream)
             for layer in range(dp.num_layers):
-                loads(layer)
-                self.layer_counter.layer_done(layer, stream, op.generation)
+                dev.launch(
+                    stream,
+                    lambda s, layer=layer: loads(layer),
+                    reads=[KVRegion(hp, h_idx, (layer,))],
+                    writes=[KVRegion(dp, d_idx, (layer,))],
+                    what=f"load of layer {layer} of nodes {op.node_ids}",
+                )
+                self.layer_counter.layer_issued(layer, stream, op.generation)
         else:
-            self.binding.load(op.device_indices, op.host_indices, backend=self.backend, stream=stream)
+            dev.launch(
+                stream,
+                lambda s: self.binding.load(d_idx, h_idx, backend=self.backend, stream=s),
+                reads=[KVRegion(hp, h_idx)],
+                writes=[KVRegion(dp, d_idx)],
+                what=f"load of nodes {op.node_ids}",
+            )
             for layer in range(dp.num_layers):
-                self.layer_counter.layer_done(layer, stream, op.generation)
-        if stream is not None:
-            stream.synchronize()  # the ack promises the data has landed
-        if op.kind == "load":
-            self.layer_counter.finish(op.generation)  # landed: release its events before the ack
-        elapsed = time.perf_counter() - start
-        tokens = len(op.device_indices)
-        nbytes = tokens * dp.bytes_per_slot
-        m = self.metrics
-        if op.kind == "write":
-            m.tokens_written += tokens
-            m.bytes_written += nbytes
-            m.write_time_s += elapsed
-        else:
-            m.tokens_loaded += tokens
-            m.bytes_loaded += nbytes
-            m.load_time_s += elapsed
+                self.layer_counter.layer_issued(layer, stream, op.generation)
 
     # ------------------------------------------------------------------ completions
+    def _landed(self, kind: str, q: queue.Queue) -> list[_Ack]:
+        """The acks of ``kind`` issued so far (in issue order), with how many lead whose done events
+        completed: a copy's ack is taken only after its stream work has landed."""
+        seen = self._acks_seen[kind]
+        while True:
+            try:
+                seen.append(q.get_nowait())
+            except queue.Empty:
+                break
+        return seen
+
+    def _count_landed(self, seen: list[_Ack]) -> int:
+        n = 0
+        for ack in seen:
+            if ack.done is not None:
+                try:
+                    if not ack.done.query():
+                        break
+                except Exception as exc:  # an asynchronous copy error, reported by the stream
+                    ack.error = ack.error or exc
+            n += 1
+        return n
+
     def _finished(self, q: queue.Queue, kind: str) -> list[tuple[int, BaseException | None]]:
         # Works after close too: the owner must still take the acks of drained and dropped copies.
-        n = self.agree_min(q.qsize())
-        acks = [q.get_nowait() for _ in range(n)]
+        seen = self._landed(kind, q)
+        n = self.agree_min(self._count_landed(seen))
+        acks = seen[:n]
+        del seen[:n]
+        flags = [int(a.error is not None) for a in acks]
         if n and self.tp_group is not None:
             # A copy that failed on any rank counts as failed on every rank (MAX of the failure flags):
             # each rolls it back, and the trees stay alike.
-            failed = torch.tensor([int(error is not None) for _, error in acks], dtype=torch.int64)
+            failed = torch.tensor(flags, dtype=torch.int64)
             torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
-            peer = CopyFailedOnPeer(f"a {kind} failed on another TP rank; rolled back here too")
             flags = failed.tolist()
-            acks = [(ids, peer if error is None and f else error) for (ids, error), f in zip(acks, flags, strict=True)]
         out: list[tuple[int, BaseException | None]] = []
         outstanding = self._outstanding[kind]
-        for node_ids, error in acks:
-            for node_id in node_ids:
+        for ack, flag in zip(acks, flags, strict=True):
+            error = ack.error
+            if error is None and flag:
+                error = CopyFailedOnPeer(f"a {kind} failed on another TP rank; rolled back here too")
+            self._account(ack)
+            for node_id in ack.node_ids:
                 out.append((node_id, error))
                 outstanding[node_id] -= 1
                 if outstanding[node_id] <= 0:
                     del outstanding[node_id]
         return out
+
+    def _account(self, ack: _Ack) -> None:
+        """A landed copy: release its load batch, count its bytes and time."""
+        if ack.kind == "load" and ack.error is None and ack.generation in self.layer_counter.in_flight:
+            self.layer_counter.finish(ack.generation)  # landed: release its events
+        if ack.error is not None or ack.done is None:
+            return
+        elapsed = self.device.elapsed_s(ack.start, ack.done)
+        nbytes = ack.tokens * self.device_pool.bytes_per_slot
+        m = self.metrics
+        if ack.kind == "write":
+            m.tokens_written += ack.tokens
+            m.bytes_written += nbytes
+            m.write_time_s += elapsed
+        else:
+            m.tokens_loaded += ack.tokens
+            m.bytes_loaded += nbytes
+            m.load_time_s += elapsed
+
+    def _release_landed_loads(self) -> None:
+        """Give the layer counter back the slots of load batches that have landed, before their acks
+        are taken (a scheduler may start batches faster than it processes acks)."""
+        seen = self._landed("load", self.ack_load_queue)
+        for ack in seen[: self._count_landed(seen)]:
+            if ack.error is None and ack.generation in self.layer_counter.in_flight:
+                self.layer_counter.finish(ack.generation)
+
+    def _wait_landed(self) -> None:
+        """Block until every issued copy has landed (a copy's error stays on its ack)."""
+        for kind, q in (("write", self.ack_write_queue), ("load", self.ack_load_queue)):
+            for ack in self._landed(kind, q):
+                if ack.done is not None:
+                    try:
+                        ack.done.synchronize()
+                    except Exception as exc:
+                        ack.error = ack.error or exc
+        self._release_landed_loads()
 
     def finished_writes(self) -> list[tuple[int, BaseException | None]]:
         """Backups finished on every rank (agreed count), in submission order: ``(node_id, None)`` for a
@@ -459,6 +601,7 @@ class HiCacheController:
         self._start_pending()
         self._write_queue.join()
         self._load_queue.join()
+        self._wait_landed()
 
     def _drop_queued(self, error: CopyDropped) -> None:
         """Take every copy off the queues unrun and acknowledge it with ``error``; a dropped load batch
@@ -474,7 +617,7 @@ class HiCacheController:
                         continue
                     if op.kind == "load":
                         self.layer_counter.abort(op.generation, "controller closed")
-                    acks.put((op.node_ids, error))
+                    acks.put(_Ack(op.kind, op.node_ids, error, generation=op.generation))
                 finally:
                     q.task_done()
 
@@ -503,7 +646,7 @@ class HiCacheController:
                     self._drop_queued(dropped)
             finally:
                 for op in self._pending_loads:  # loads never started (drain=False, or start failed)
-                    self.ack_load_queue.put((op.node_ids, dropped))
+                    self.ack_load_queue.put(_Ack("load", op.node_ids, dropped))
                 self._pending_loads.clear()
                 if self._finalizer is not None:
                     self._finalizer()  # the stop markers, queued behind what is still to run
@@ -511,6 +654,7 @@ class HiCacheController:
             t.join(timeout)
             if t.is_alive():
                 raise RuntimeError(f"HiCacheController: worker {t.name} did not stop within {timeout} s")
+        self._wait_landed()  # what was issued lands before close returns
 
     def __enter__(self) -> HiCacheController:
         return self

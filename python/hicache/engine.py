@@ -28,6 +28,7 @@ import torch
 from .model import ModelConfig, TinyLM
 from .pools import DeviceKVPool
 from .radix_cache import HiRadixCache
+from .streams import KVRegion
 
 __all__ = ["Engine", "FixedArrivals", "GenerationResult", "ModelConfig", "Request", "RequestSource", "TinyLM"]
 
@@ -372,20 +373,27 @@ class Engine:
         cache = self.cache
         wait = None
         waited = [0.0]
-        if any(r.host_hit for r in new):
-            generation = cache.start_loading()  # one layer-by-layer batch for the step's load-backs
-            counter = cache.controller.layer_counter
-
-            def wait(layer: int) -> None:
-                w0 = time.perf_counter()
-                counter.wait_until(layer, generation=generation)
-                waited[0] += time.perf_counter() - w0
-
         seqs = [(r.req.prompt[r.prefix :], r.prefix, r.slots) for r in new]
         seqs += [([r.out[-1]], len(r.req.prompt) + len(r.out) - 1, r.slots) for r in running]
         try:
+            if cache is not None:
+                device = cache.controller.device
+                generation = cache.start_loading() if any(r.host_hit for r in new) else 0
+                counter = cache.controller.layer_counter
+                # The KV this step's forward reads: every sequence's slots up to its new tokens.
+                read = [slots[:start] for _, start, slots in seqs if start]
+                regions = [[KVRegion(self.pool, torch.cat(read), (layer,))] if read else []
+                           for layer in range(self.pool.num_layers)]  # fmt: skip
+
+                def wait(layer: int) -> None:
+                    if generation:
+                        w0 = time.perf_counter()
+                        counter.wait_until(layer, generation=generation)
+                        waited[0] += time.perf_counter() - w0
+                    device.check_read(regions[layer], f"the forward reading layer {layer}")
+
             logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True)
-        except BaseException:
+        except BaseException:  # a load that could not start, a failed wait or forward: give back what new hold
             self._unwind(new)
             raise
         rows = torch.cat(logits)

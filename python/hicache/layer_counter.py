@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .streams import CudaDevice
+
 
 class LayerEvent(Protocol):
     """One layer's completion marker on a load stream (``torch.cuda.Event`` is one)."""
@@ -32,24 +34,13 @@ class LayerEvents(Protocol):
     def wait(self, event: LayerEvent) -> None: ...
 
 
-class CudaLayerEvents:
-    """:class:`LayerEvents` on CUDA: ``torch.cuda.Event`` (no timing); the consumer's current stream
-    waits on it (an ordering on the GPU, the host does not block)."""
-
-    def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
-
-    def wait(self, event: torch.cuda.Event) -> None:
-        torch.cuda.current_stream().wait_event(event)
-
-
 class LayerDoneCounter:
     """Per-layer completion of load batches, for a forward pass that overlaps a layer-wise load.
 
     :meth:`start` opens a batch (a *generation*, numbered from 1); the loader calls
-    :meth:`layer_done` with that generation after issuing each layer's copy (in layer order) and
-    :meth:`finish` once the whole batch has landed (the controller: after its load stream
-    synchronised, before the ack) or :meth:`abort` when it failed. The forward pass calls
+    :meth:`layer_issued` with that generation after issuing each layer's copy (in layer order) and
+    :meth:`finish` once the whole batch has landed (the controller: when the event after its last
+    layer completed) or :meth:`abort` when it failed . The forward pass calls
     :meth:`wait_until` before reading a layer, for the newest batch unless told otherwise.
 
     Batches may overlap (a new one can start while older ones are still loading): each keeps its own
@@ -68,7 +59,8 @@ class LayerDoneCounter:
     Parameters
     ----------
     num_layers : layers per batch.
-    device : the pools' device; a CUDA device selects :class:`CudaLayerEvents` (default: none).
+    device : the pools' device; a CUDA device selects :class:`~hicache.streams.CudaDevice` events
+        (default: none).
     num_slots : batches that may be in flight at once (default 8).
     events : a :class:`LayerEvents` overriding what ``device`` selects (tests use a fake clock).
     start_timeout : seconds :meth:`start` waits for a free slot (None: forever).
@@ -88,7 +80,7 @@ class LayerDoneCounter:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
         if events is None and device is not None and torch.device(device).type == "cuda":
-            events = CudaLayerEvents()
+            events = CudaDevice(torch.device(device))
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.start_timeout = start_timeout
@@ -100,8 +92,10 @@ class LayerDoneCounter:
         self._issued = [0] * num_slots
         self._events = [[events.new_event() for _ in range(num_layers)] if events else [] for _ in range(num_slots)]
         self._slot_of: dict[int, int] = {}  # generation in flight -> its slot (at most num_slots entries)
-        # Aborted generations: one entry per failed load, which also fails the controller.
+        # Aborted generations, the newest max_failed of them: waiting on one raises. (An older aborted
+        # batch, beyond the bound, reads as finished: nobody waits that long after its ack was taken.)
         self._failed: dict[int, BaseException | str] = {}
+        self.max_failed = 1024
 
     @property
     def in_flight(self) -> tuple[int, ...]:
@@ -131,13 +125,14 @@ class LayerDoneCounter:
             raise ValueError(f"generation: {gen} is not a load batch in progress ({method})")
         return slot
 
-    def layer_done(self, layer: int, stream: Any = None, generation: int | None = None) -> None:
+    def layer_issued(self, layer: int, stream: Any = None, generation: int | None = None) -> None:
         """``layer``'s copy of batch ``generation`` (default: the newest) has been issued on ``stream``
-        (the current stream when None). Layers are issued in order; skipping ahead marks the skipped
+        (the current stream when None): records the layer's event there, which completes when the copy
+        has landed. Layers are issued in order; skipping ahead marks the skipped
         ones issued at the same point of the stream, which covers them."""
         with self._cond:
             gen = self._generation if generation is None else generation
-            slot = self._slot(gen, "layer_done")
+            slot = self._slot(gen, "layer_issued")
             issued = self._issued[slot]
             if not isinstance(layer, int) or not issued <= layer < self.num_layers:
                 raise ValueError(
@@ -164,8 +159,11 @@ class LayerDoneCounter:
     def abort(self, generation: int, error: BaseException | str) -> None:
         """Batch ``generation`` failed: release its slot; waiting on it raises ``RuntimeError``."""
         with self._cond:
+            slot = self._slot(generation, "abort")
             self._failed[generation] = error
-            self._release(generation, self._slot(generation, "abort"))
+            while len(self._failed) > self.max_failed:  # never handled: keep the newest only
+                del self._failed[next(iter(self._failed))]
+            self._release(generation, slot)
 
     def _release(self, gen: int, slot: int) -> None:
         del self._slot_of[gen]

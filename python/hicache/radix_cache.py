@@ -92,8 +92,10 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
     device_pool, host_pool : the pools; ``host_pool.page_size`` must equal ``device_pool.page_size``.
     controller : the :class:`~hicache.controller.HiCacheController` to use; built from the keyword
         arguments below when None (and then closed by :meth:`close`).
-    io_backend, write_policy, tp_group, threaded : passed to the controller it builds (``threaded`` also
-        decides whether the storage tier reads and writes on its own threads or inline).
+    io_backend, write_policy, tp_group, threaded, device_model : passed to the controller it builds
+        (``threaded`` also decides whether the storage tier reads and writes on its own threads or inline;
+        ``device_model``: a :class:`~hicache.deferred.DeferredDevice` for CPU pools, see
+        :class:`~hicache.controller.HiCacheController`).
     eviction_policy : ``lru`` (default), ``lfu``, ``slru``, ``fifo``, ``priority`` or an object with
         ``key(node)``; used for both tiers.
     load_back_threshold : host hits shorter than this many tokens are not loaded back (default 10).
@@ -130,6 +132,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         model_id: str | None = None,
         storage_salt: str | None = None,
         prefetch_policy: str | PrefetchPolicy = "best_effort",
+        device_model: Any = None,
     ) -> None:
         if host_pool.page_size != device_pool.page_size:
             raise ValueError(
@@ -145,7 +148,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         self._owns_controller = controller is None
         self.controller = controller or HiCacheController(
             device_pool, host_pool, io_backend=io_backend, write_policy=write_policy, tp_group=tp_group,
-            threaded=threaded,
+            threaded=threaded, device_model=device_model,
         )  # fmt: skip
         self.write_policy = self.controller.write_policy
         self.policy = get_policy(eviction_policy)
