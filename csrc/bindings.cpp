@@ -82,6 +82,14 @@ py::tuple kernel_image_versions(int device) {
   return py::make_tuple(binary, ptx);
 }
 
+py::tuple bulk_image_versions(int device) {
+  int binary = 0;
+  int ptx = 0;
+  check_args(hicache::bulk_image_versions(device, &binary, &ptx),
+             "bulk_image_versions (cuKernelGetAttribute)");
+  return py::make_tuple(binary, ptx);
+}
+
 cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 template <class T>
@@ -108,17 +116,17 @@ void transfer(const py::sequence& src_desc, bool src_table, const py::sequence& 
               bool dst_table, std::uintptr_t src_idx_ptr, std::uintptr_t dst_idx_ptr, int64_t n,
               int layer_begin, int layer_count, int num_kv, int num_chunks, int64_t chunk_bytes,
               int64_t align_bytes, int num_blocks, int warps_per_block,
-              std::uintptr_t oob_count_ptr, std::uintptr_t stream) {
+              std::uintptr_t oob_count_ptr, std::uintptr_t stream, bool dst_host) {
   const hicache::SideDesc src = side_desc(src_desc, "src_desc");
   const hicache::SideDesc dst = side_desc(dst_desc, "dst_desc");
   cudaError_t err;
   {
     py::gil_scoped_release release;
-    err =
-        hicache::launch_transfer(src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
-                                 as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count,
-                                 num_kv, num_chunks, chunk_bytes, align_bytes, num_blocks,
-                                 warps_per_block, as_ptr<int>(oob_count_ptr), as_stream(stream));
+    err = hicache::launch_transfer(
+        src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
+        as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count, num_kv, num_chunks,
+        chunk_bytes, align_bytes, num_blocks, warps_per_block, as_ptr<int>(oob_count_ptr),
+        as_stream(stream), dst_host);
   }
   check_args(err, "launch_transfer");
 }
@@ -593,15 +601,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("kernel_image_versions", &kernel_image_versions, py::arg("device"),
         "(binaryVersion, ptxVersion) of this build's code for the device, asked of the driver "
         "without changing the current device; raises RuntimeError when none fits.");
+  m.def("bulk_image_versions", &bulk_image_versions, py::arg("device"),
+        "kernel_image_versions() of the bulk-copy kernel: (binaryVersion, ptxVersion) of its code "
+        "for the device. It copies only where both are >= 90 (code compiled for sm_90+); "
+        "elsewhere it traps.");
   m.def("transfer", &transfer, py::arg("src_desc"), py::arg("src_table"), py::arg("dst_desc"),
         py::arg("dst_table"), py::arg("src_idx_ptr"), py::arg("dst_idx_ptr"), py::arg("n"),
         py::arg("layer_begin"), py::arg("layer_count"), py::arg("num_kv"), py::arg("num_chunks"),
         py::arg("chunk_bytes"), py::arg("align_bytes"), py::arg("num_blocks"),
         py::arg("warps_per_block"), py::arg("oob_count_ptr"), py::arg("stream"),
+        py::arg("dst_host"),
         "Launch one chunk gather/scatter (csrc/transfer.h) on the current device. Descs are "
         "plan.Side.desc() 9-tuples (bytes); index and counter pointers are device addresses "
-        "(oob_count_ptr 0 = none). ValueError naming a bad argument (checked before any CUDA "
-        "call), RuntimeError for a CUDA error.");
+        "(oob_count_ptr 0 = none); dst_host: the destination is host memory (streaming stores; "
+        "write-back stores for a device destination). ValueError naming a bad argument (checked "
+        "before any CUDA call), RuntimeError for a CUDA error.");
   m.def("transfer_bulk", &transfer_bulk, py::arg("src_desc"), py::arg("src_table"),
         py::arg("dst_desc"), py::arg("dst_table"), py::arg("src_idx_ptr"), py::arg("dst_idx_ptr"),
         py::arg("n"), py::arg("layer_begin"), py::arg("layer_count"), py::arg("num_kv"),

@@ -44,11 +44,13 @@ cudaError_t driver_version(int* version) { return cudaDriverGetVersion(version);
 
 cudaError_t device_count(int* count) { return cudaGetDeviceCount(count); }
 
-cudaError_t kernel_image_versions(int device, int* binary_version, int* ptx_version) {
-  clear_argument_error();
-  HICACHE_CHECK_ARG(device >= 0, "device must be >= 0, got ", device);
-  HICACHE_CHECK_ARG(binary_version != nullptr && ptx_version != nullptr,
-                    "binary_version and ptx_version must not be null");
+namespace detail {
+
+cudaError_t image_versions_of(const char* function, const void* kernel_stub, int device,
+                              int* binary_version, int* ptx_version) {
+  HICACHE_CHECK_ARG_OF(function, device >= 0, "device must be >= 0, got ", device);
+  HICACHE_CHECK_ARG_OF(function, binary_version != nullptr && ptx_version != nullptr,
+                       "binary_version and ptx_version must not be null");
   // cudaFuncGetAttributes answers for the CURRENT device only, and switching the caller's device
   // (even setting it back) changes which context is current on its thread. The driver's
   // cuKernelGetAttribute takes the device explicitly, on the context-independent kernel handle.
@@ -61,7 +63,7 @@ cudaError_t kernel_image_versions(int device, int* binary_version, int* ptx_vers
   HICACHE_RETURN_IF_ERROR(driver_entry_point("cuDevicePrimaryCtxRelease", &release));
   HICACHE_RETURN_IF_ERROR(driver_entry_point("cuKernelGetAttribute", &kernel_get_attribute));
   cudaKernel_t kernel = nullptr;
-  HICACHE_RETURN_IF_ERROR(cudaGetKernel(&kernel, image_probe_kernel));
+  HICACHE_RETURN_IF_ERROR(cudaGetKernel(&kernel, kernel_stub));
   CUdevice dev = 0;
   HICACHE_RETURN_IF_ERROR(as_runtime_error(device_get(&dev, device)));
   // Hold the device's primary context (the one torch and the runtime use) for the query, so the
@@ -82,6 +84,14 @@ cudaError_t kernel_image_versions(int device, int* binary_version, int* ptx_vers
   *binary_version = binary;
   *ptx_version = ptx;
   return cudaSuccess;
+}
+
+}  // namespace detail
+
+cudaError_t kernel_image_versions(int device, int* binary_version, int* ptx_version) {
+  clear_argument_error();
+  return detail::image_versions_of(__func__, reinterpret_cast<const void*>(image_probe_kernel),
+                                   device, binary_version, ptx_version);
 }
 
 }  // namespace hicache

@@ -16,4 +16,12 @@ cudaError_t device_count(int* count);
 // cudaErrorInvalidValue and argument_error() set (common.cuh) for a negative device.
 cudaError_t kernel_image_versions(int device, int* binary_version, int* ptx_version);
 
+namespace detail {
+// kernel_image_versions of one kernel of this extension, given by its host stub (the address of the
+// __global__ function), with argument errors reported as errors of `function`. Every .cu file is a
+// module of its own, built for the same arch list, so each answers for the kernels it holds.
+cudaError_t image_versions_of(const char* function, const void* kernel_stub, int device,
+                              int* binary_version, int* ptx_version);
+}  // namespace detail
+
 }  // namespace hicache

@@ -53,13 +53,15 @@ int64_t side_alignment(const SideDesc& d, bool table, int num_kv, int num_chunks
 }
 
 template <int kVec>
-cudaError_t dispatch_sides(bool src_table, bool dst_table, const TransferParams& p,
+cudaError_t dispatch_sides(bool src_table, bool dst_table, bool dst_host, const TransferParams& p,
                            int64_t chunk_bytes, int num_blocks, int warps_per_block,
                            cudaStream_t stream) {
-  HICACHE_SIDE_SWITCH(src_table, SrcSide, {HICACHE_SIDE_SWITCH(dst_table, DstSide, {
-                        return launch_transfer_kernel<SrcSide, DstSide, kVec>(
-                            p, chunk_bytes, num_blocks, warps_per_block, stream);
-                      })})
+  HICACHE_SIDE_SWITCH(
+      src_table, SrcSide,
+      {HICACHE_SIDE_SWITCH(dst_table, DstSide, {HICACHE_STORE_SWITCH(dst_host, Store, {
+                             return launch_transfer_kernel<SrcSide, DstSide, Store, kVec>(
+                                 p, chunk_bytes, num_blocks, warps_per_block, stream);
+                           })})})
 }
 
 }  // namespace
@@ -122,7 +124,8 @@ cudaError_t launch_transfer(const SideDesc& src_desc, bool src_table, const Side
                             bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
                             int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
                             int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
-                            int warps_per_block, int* oob_count, cudaStream_t stream) {
+                            int warps_per_block, int* oob_count, cudaStream_t stream,
+                            bool dst_host) {
   clear_argument_error();
   int64_t align = 0;
   int64_t units_per_index = 0;
@@ -150,8 +153,8 @@ cudaError_t launch_transfer(const SideDesc& src_desc, bool src_table, const Side
   p.num_chunks = num_chunks;
   p.oob_count = oob_count;
   HICACHE_VEC_SWITCH(vec, kVec, {
-    return dispatch_sides<kVec>(src_table, dst_table, p, chunk_bytes, num_blocks, warps_per_block,
-                                stream);
+    return dispatch_sides<kVec>(src_table, dst_table, dst_host, p, chunk_bytes, num_blocks,
+                                warps_per_block, stream);
   })
 }
 

@@ -46,14 +46,11 @@ struct Vec<1> {
   using type = uint16_t;
 };
 
-// Loads: non-coherent path without L1 allocation (the source is never written during a transfer);
-// stores: streaming (evict-first). Pinned host memory is accessed through its device address, so
-// every byte crosses the link exactly once. `volatile` keeps all loads of a round ahead of its
-// stores.
+// Loads: non-coherent path without L1 allocation (the source is never written during a transfer).
+// Pinned host memory is accessed through its device address, so every byte crosses the link
+// exactly once. `volatile` keeps all loads of a round ahead of its stores.
 template <int kVecBytes>
 __device__ __forceinline__ typename Vec<kVecBytes>::type load_vec(const char* p);
-template <int kVecBytes>
-__device__ __forceinline__ void store_vec(char* p, typename Vec<kVecBytes>::type v);
 
 template <>
 __device__ __forceinline__ uint4 load_vec<16>(const char* p) {
@@ -90,28 +87,55 @@ __device__ __forceinline__ uint16_t load_vec<1>(const char* p) {
   return v;
 }
 
-template <>
-__device__ __forceinline__ void store_vec<16>(char* p, uint4 v) {
-  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
+// Store cache policies, a template parameter of the kernel chosen by the destination's memory in
+// one place (HICACHE_STORE_SWITCH). Host destinations (backups, d2h) get streaming stores
+// (st.global.cs, evict-first): nothing on the GPU reads those lines again. Device destinations
+// (loads, h2d) get the default write-back policy (st.global): attention reads the loaded pages
+// next, so their lines should stay in L2 rather than be evicted first.
+struct StreamingStore {
+  static constexpr bool kEvictFirst = true;
+};
+struct WriteBackStore {
+  static constexpr bool kEvictFirst = false;
+};
+
+// One store instruction, "st.global" or "st.global.cs" followed by `operation` (type and operands)
+// and the asm operand lists, by Store's policy.
+#define HICACHE_STORE_ASM(Store, operation, ...)        \
+  if constexpr (Store::kEvictFirst) {                   \
+    asm volatile("st.global.cs" operation __VA_ARGS__); \
+  } else {                                              \
+    asm volatile("st.global" operation __VA_ARGS__);    \
+  }
+
+template <class Store, int kVecBytes>
+__device__ __forceinline__ void store_vec(char* p, typename Vec<kVecBytes>::type v) {
+  if constexpr (kVecBytes == 16) {
+    HICACHE_STORE_ASM(Store, ".v4.u32 [%0], {%1, %2, %3, %4};", ::"l"(p), "r"(v.x), "r"(v.y),
+                      "r"(v.z), "r"(v.w) : "memory")
+  } else if constexpr (kVecBytes == 8) {
+    HICACHE_STORE_ASM(Store, ".v2.u32 [%0], {%1, %2};", ::"l"(p), "r"(v.x), "r"(v.y) : "memory")
+  } else if constexpr (kVecBytes == 4) {
+    HICACHE_STORE_ASM(Store, ".u32 [%0], %1;", ::"l"(p), "r"(v) : "memory")
+  } else if constexpr (kVecBytes == 2) {
+    HICACHE_STORE_ASM(Store, ".u16 [%0], %1;", ::"l"(p), "h"(v) : "memory")
+  } else {
+    static_assert(kVecBytes == 1, "vector widths are 16, 8, 4, 2 or 1 bytes");
+    HICACHE_STORE_ASM(Store, ".u8 [%0], %1;", ::"l"(p), "h"(v) : "memory")
+  }
 }
-template <>
-__device__ __forceinline__ void store_vec<8>(char* p, uint2 v) {
-  asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
-}
-template <>
-__device__ __forceinline__ void store_vec<4>(char* p, uint32_t v) {
-  asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-template <>
-__device__ __forceinline__ void store_vec<2>(char* p, uint16_t v) {
-  asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
-}
-template <>
-__device__ __forceinline__ void store_vec<1>(char* p, uint16_t v) {
-  asm volatile("st.global.cs.u8 [%0], %1;" ::"l"(p), "h"(v) : "memory");
-}
+
+#undef HICACHE_STORE_ASM
+
+// The one place the store policy is decided: by whether the destination is host memory.
+#define HICACHE_STORE_SWITCH(dst_host, Store, ...) \
+  if (dst_host) {                                  \
+    using Store = StreamingStore;                  \
+    __VA_ARGS__                                    \
+  } else {                                         \
+    using Store = WriteBackStore;                  \
+    __VA_ARGS__                                    \
+  }
 
 struct TransferParams {
   SideDesc src;
@@ -152,7 +176,7 @@ __device__ __forceinline__ bool locate_unit(const TransferParams& p, int64_t uni
   return true;
 }
 
-template <class SrcSide, class DstSide, int kVecBytes>
+template <class SrcSide, class DstSide, class Store, int kVecBytes>
 __global__ void __launch_bounds__(kTransferMaxThreads)
     transfer_kernel(const __grid_constant__ TransferParams p) {
   using V = typename Vec<kVecBytes>::type;
@@ -192,14 +216,14 @@ __global__ void __launch_bounds__(kTransferMaxThreads)
 #pragma unroll
     for (int t = 0; t < kTransferUnroll; ++t) {
       if (out[t] != nullptr) {
-        store_vec<kVecBytes>(out[t], buf[t]);
+        store_vec<Store, kVecBytes>(out[t], buf[t]);
       }
     }
   }
 }
 
 // The one launcher: `p` is complete except the sub-warp geometry, derived here from kVecBytes.
-template <class SrcSide, class DstSide, int kVecBytes>
+template <class SrcSide, class DstSide, class Store, int kVecBytes>
 cudaError_t launch_transfer_kernel(TransferParams p, int64_t chunk_bytes, int num_blocks,
                                    int warps_per_block, cudaStream_t stream) {
   p.vecs_per_chunk = static_cast<int>(chunk_bytes / kVecBytes);
@@ -213,7 +237,8 @@ cudaError_t launch_transfer_kernel(TransferParams p, int64_t chunk_bytes, int nu
   const int64_t workers_per_block = static_cast<int64_t>(warps_per_block) * (32 / group);
   const int64_t blocks_needed = (p.total_units + workers_per_block - 1) / workers_per_block;
   const int blocks = static_cast<int>(blocks_needed < num_blocks ? blocks_needed : num_blocks);
-  transfer_kernel<SrcSide, DstSide, kVecBytes><<<blocks, warps_per_block * 32, 0, stream>>>(p);
+  transfer_kernel<SrcSide, DstSide, Store, kVecBytes>
+      <<<blocks, warps_per_block * 32, 0, stream>>>(p);
   HICACHE_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }

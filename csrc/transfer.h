@@ -45,28 +45,40 @@ int vector_bytes(int64_t align_bytes);
 // [0, dst_desc.num_slots) write nothing and, when oob_count (device int*) is not null, are added
 // to it. Every argument is checked before any CUDA call: a bad one returns cudaErrorInvalidValue
 // with argument_error() naming it (common.cuh). Returns cudaSuccess without launching when n == 0,
-// else the launch status. Launches on the current device, which must be the stream's.
+// else the launch status. Launches on the current device, which must be the stream's. dst_host:
+// the destination is (pinned) host memory, which picks the stores' cache policy (transfer.cuh):
+// streaming (evict-first) for host destinations, write-back for device ones.
 cudaError_t launch_transfer(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
                             bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
                             int64_t n, int layer_begin, int layer_count, int num_kv, int num_chunks,
                             int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
-                            int warps_per_block, int* oob_count, cudaStream_t stream);
+                            int warps_per_block, int* oob_count, cudaStream_t stream,
+                            bool dst_host);
 
 // The same transfer through the bulk-copy pipeline (sm_90 and newer, transfer_bulk.cuh): each CTA
 // streams contiguous runs of its units through a shared-memory ring with cp.async.bulk, ordered by
-// mbarriers. Same arguments, checks, bounds rule (skipped and counted), n == 0 behaviour and grid
-// cap (num_blocks) as launch_transfer; warps_per_block is checked the same way but a CTA is always
-// kBulkThreads threads (one loader and one storer warp). Refused with cudaErrorInvalidValue and an
-// argument_error() unless chunk_bytes, every stride used, every affine base and align_bytes are
-// multiples of 16 (bulk copies move 16-byte multiples between 16-byte-aligned addresses): callers
-// then use launch_transfer. Returns cudaErrorNotSupported, launching nothing, when the current
-// device's compute capability is below 9.0.
+// mbarriers, its stores with the default cache policy. Same arguments (but dst_host), checks,
+// bounds rule (skipped and counted), n == 0 behaviour and grid cap (num_blocks) as launch_transfer;
+// warps_per_block is checked the same way but a CTA is always kBulkThreads threads (one loader and
+// one storer warp). Refused with cudaErrorInvalidValue and an argument_error() unless chunk_bytes,
+// every stride used, every affine base and align_bytes are multiples of 16 (bulk copies move
+// 16-byte multiples between 16-byte-aligned addresses): callers then use launch_transfer. Returns
+// cudaErrorNotSupported, launching nothing, when the current device's compute capability is
+// below 9.0. The kernel's body exists only in code compiled for sm_90+; an image compiled for an
+// older arch (PTX JIT-compiled by the driver, as a "8.0+PTX" build on an H100 would be) traps,
+// failing the launch: callers ask bulk_image_versions first.
 cudaError_t launch_transfer_bulk(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
                                  bool dst_table, const int64_t* src_idx, const int64_t* dst_idx,
                                  int64_t n, int layer_begin, int layer_count, int num_kv,
                                  int num_chunks, int64_t chunk_bytes, int64_t align_bytes,
                                  int num_blocks, int warps_per_block, int* oob_count,
                                  cudaStream_t stream);
+
+// binaryVersion / ptxVersion of the bulk kernel's code the driver loads for `device` (as
+// kernel_image_versions of runtime.h, for this kernel). The copy runs only when both are >= 90:
+// ptxVersion is the arch the code was compiled for (__CUDA_ARCH__), binaryVersion the SASS it runs
+// as, which for PTX JIT-compiled by the driver may be the device's arch whatever the PTX's.
+cudaError_t bulk_image_versions(int device, int* binary_version, int* ptx_version);
 
 // One bulk copy of the pipeline: in CTA `block`'s `round`, ring slot `slot` (waited on with phase
 // parity `parity`) holds `bytes` bytes at byte `smem_offset` of the ring, loaded from `src` and

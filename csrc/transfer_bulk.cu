@@ -1,8 +1,10 @@
 // Ops layer of the bulk-copy transfer: argument checks (shared with launch_transfer), the sm_90
-// gate, dispatch to the kernel template, and the host emulation of its schedule (bulk_schedule),
-// which runs the kernel's own schedule and address code (transfer_bulk.cuh) on the CPU.
+// gate, dispatch to the kernel template, the query of its loaded image (bulk_image_versions), and
+// the host emulation of its schedule (bulk_schedule), which runs the kernel's own schedule and
+// address code (transfer_bulk.cuh) on the CPU.
 #include <vector>
 
+#include "runtime.h"
 #include "transfer.h"
 #include "transfer_bulk.cuh"
 
@@ -80,6 +82,14 @@ void emulate_block(const BulkParams& p, int grid, int block, std::vector<BulkCop
 }
 
 }  // namespace
+
+cudaError_t bulk_image_versions(int device, int* binary_version, int* ptx_version) {
+  clear_argument_error();
+  // Every instantiation lives in this file's module, so one answers for all.
+  return detail::image_versions_of(
+      __func__, reinterpret_cast<const void*>(transfer_bulk_kernel<AffineSide, AffineSide>), device,
+      binary_version, ptx_version);
+}
 
 int bulk_ring_stages() { return kBulkStages; }
 int bulk_stage_bytes() { return kBulkStageBytes; }

@@ -233,6 +233,12 @@ __global__ void __launch_bounds__(kBulkThreads)
   if (!loader) {
     bulk_wait_all();
   }
+#elif defined(__CUDA_ARCH__)
+  // Compiled for an older arch: this image runs only when an sm_90+ GPU JIT-compiles its PTX (e.g.
+  // a "8.0+PTX" build), and a body that copied nothing would report success. Fail the launch
+  // instead (cudaErrorLaunchFailure at the next sync); KernelBackend never launches such an image
+  // (bulk_image_versions).
+  __trap();
 #endif
 }
 

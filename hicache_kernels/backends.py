@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -268,12 +269,66 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def _bulk_image(device: torch.device) -> tuple[int, int] | str:
+    """``(binaryVersion, ptxVersion)`` of the bulk kernel's code the driver loads for ``device``, or why
+    it has none (asked once per device: the query loads the module there)."""
+    try:
+        binary, ptx = load_extension().bulk_image_versions(device.index)
+    except RuntimeError as exc:
+        return str(exc)
+    return int(binary), int(ptx)
+
+
+class _SkipCounter:
+    """One device's counter of skipped units (``tensor``, int32), and the streams that launched counting
+    kernels into it since it was last read, each with an event recorded after its latest such launch.
+    Launches and reads exclude each other (they may come from several threads), so a launch is either
+    waited for by a read or issued after that read's reset completed."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._launched: dict[int, tuple[Any, Any]] = {}  # stream handle -> (stream, event)
+        self._lock = threading.Lock()
+
+    def counted_launch(self, launch: Callable[[], None], handle: int, stream: Any) -> None:
+        """Issue ``launch``, a kernel counting into ``tensor`` on ``stream`` (handle ``handle``), so that
+        the next read waits for it. ``stream`` None: under graph capture, where the kernel runs at
+        replay (read its count after syncing that) and no event can be waited on outside the graph."""
+        with self._lock:
+            launch()
+            if stream is not None:
+                entry = self._launched.get(handle)
+                if entry is None:
+                    entry = self._launched[handle] = (stream, torch.cuda.Event())
+                entry[1].record(stream)
+
+    def read_and_reset(self, device: torch.device) -> int:
+        """The count, then zero, on ``device``'s current stream (where torch runs the tensor ops) after
+        every counting kernel issued so far, whatever stream it ran on. The reset has completed when this
+        returns (the read syncs that stream), so it precedes every later launch."""
+        with self._lock:
+            reader = torch.cuda.current_stream(device)
+            for _, event in self._launched.values():
+                reader.wait_event(event)
+            self._launched.clear()
+            count = self.tensor.clone()
+            self.tensor.zero_()
+            return int(count.item())
+
+
 class KernelBackend(IOBackend):
     """Zero-copy CUDA kernels on a bounded grid (see module docstring).
 
     ``count_skipped=True`` makes the kernels count the work units they skip for an out-of-range
     index (in fast mode, ``check_indices=False``) in a device counter, without any sync;
     :meth:`skipped` reads it (one sync) and resets it. A unit is one (index pair, K/V, layer, chunk).
+    Each counting launch records an event on its stream (not under graph capture), so the read waits
+    for counting kernels on any stream, such as a controller's copy streams.
+
+    ``design="bulk"`` runs the bulk-copy kernel where it can (:meth:`bulk_unsupported`) and the
+    register kernel elsewhere; ``last_design`` names the design the last prepared copy uses and
+    ``last_design_reason`` says why it is not the bulk one asked for (None otherwise).
 
     A route's descriptors, device tables, host alias and alignment are built by its first launch
     (:func:`hicache_kernels.launch.gpu_route`) and reused: later calls issue one extension call.
@@ -290,6 +345,7 @@ class KernelBackend(IOBackend):
             raise ValueError(f"design: expected one of {', '.join(self.DESIGNS)}, got {design!r}")
         self.design = design
         self.last_design: str | None = None  # the design the last prepared copy uses
+        self.last_design_reason: str | None = None  # why that is not the design asked for
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         if not isinstance(warps_per_block, int) or not 1 <= warps_per_block <= 32:
@@ -297,24 +353,20 @@ class KernelBackend(IOBackend):
         self.num_blocks = num_blocks
         self.warps_per_block = warps_per_block
         self.count_skipped = count_skipped
-        self._skipped: dict[torch.device, torch.Tensor] = {}
+        self._skipped: dict[torch.device, _SkipCounter] = {}
 
-    def _skip_counter(self, device: torch.device) -> int:
-        if not self.count_skipped:
-            return 0
+    def _skip_counter(self, device: torch.device) -> _SkipCounter:
         if device not in self._skipped:
-            self._skipped[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._skipped[device].data_ptr()
+            self._skipped[device] = _SkipCounter(torch.zeros(1, dtype=torch.int32, device=device))
+        return self._skipped[device]
 
     def skipped(self) -> int:
-        """Units skipped for out-of-range indices since the last call (syncs with the counters' devices)."""
+        """Units skipped for out-of-range indices since the last call. Waits for the counting kernels
+        issued so far on any stream (each counter's device's current stream waits for their events) and
+        syncs with that stream."""
         if not self.count_skipped:
             raise ValueError("count_skipped: this KernelBackend was built without count_skipped=True")
-        total = 0
-        for counter in self._skipped.values():
-            total += int(counter.item())
-            counter.zero_()
-        return total
+        return sum(counter.read_and_reset(device) for device, counter in list(self._skipped.items()))
 
     def unavailable(self, plan: TransferPlan) -> str | None:
         reason = _cuda_reason(plan)
@@ -332,6 +384,8 @@ class KernelBackend(IOBackend):
         device = route.device
         handle, stream = _stream_handle(plan)
         g = route.launch_state.get("gpu")
+        counter: _SkipCounter | None = None
+        counted_on: Any = None  # the stream a counting launch records its event on (None under capture)
         if g is None or handle not in g.recorded or self.count_skipped:
             # First launch of this route or on this stream: build (uploads, aliases) with the pool's
             # device current, where the capture check and the allocations must happen.
@@ -340,25 +394,35 @@ class KernelBackend(IOBackend):
                 g = launch.gpu_route(plan, capturing=capture)
                 if not capture:
                     g.use_tables_on(handle, stream)
-                counter = self._skip_counter(device)
-        else:
-            counter = 0
+                if self.count_skipped:
+                    counter = self._skip_counter(device)
+                    if stream is None:
+                        stream = torch.cuda.current_stream(device)  # the stream `handle` came from
+                    if not capture:
+                        counted_on = stream
         idx = self._launch_indices(plan, device, stream)
         args = (
             g.src_desc, route.src.is_table, g.dst_desc, route.dst.is_table, idx[0].data_ptr(), idx[1].data_ptr(), n,
             route.layer_begin, route.layer_count, route.num_kv, route.num_chunks, route.chunk_bytes, g.align,
-            self.num_blocks, self.warps_per_block, counter, handle,
+            self.num_blocks, self.warps_per_block, 0 if counter is None else counter.tensor.data_ptr(), handle,
         )  # fmt: skip
         index = device.index
-        launch_fn = ext.transfer
-        self.last_design = "register"
-        if self.design == "bulk" and self.bulk_unsupported(g.align, device) is None:
-            launch_fn = ext.transfer_bulk
-            self.last_design = "bulk"
+        self.last_design, self.last_design_reason = "register", None
+        if self.design == "bulk":
+            self.last_design_reason = self.bulk_unsupported(g.align, device)
+            if self.last_design_reason is None:
+                self.last_design = "bulk"
+        if self.last_design == "bulk":
+            launch_fn: Callable[[], None] = functools.partial(ext.transfer_bulk, *args)
+        else:  # the store cache policy follows the destination: streaming to host memory only
+            launch_fn = functools.partial(ext.transfer, *args, route.dst.is_host)
 
         def issue() -> None:
             with torch.cuda.device(index):  # the extension launches on the current device
-                launch_fn(*args)
+                if counter is None:
+                    launch_fn()
+                else:
+                    counter.counted_launch(launch_fn, handle, counted_on)
             _ = idx, plan  # the kernel reads these indices (device ones at every launch) and pools: keep them alive
 
         return issue
@@ -366,13 +430,27 @@ class KernelBackend(IOBackend):
     @staticmethod
     def bulk_unsupported(align: int, device: torch.device) -> str | None:
         """Why the bulk-copy design cannot move a route with this alignment on ``device``, or None.
-        It needs sm_90 or newer and every address, stride and chunk a multiple of 16 bytes; otherwise
-        ``design="bulk"`` uses the register kernel for that route (``last_design`` says which ran)."""
+
+        It needs every address, stride and chunk a multiple of 16 bytes, an sm_90 or newer GPU, and the
+        bulk kernel's image for that GPU compiled for sm_90+ (binaryVersion and ptxVersion >= 90): a
+        build without sm_90 code reaches an H100 as older PTX the driver JIT-compiles, whose kernel
+        body is only a trap. Otherwise ``design="bulk"`` uses the register kernel for that route, and
+        ``last_design`` / ``last_design_reason`` say so: a fallback, not an error, as for alignment.
+        """
         if align % 16:
             return f"addresses, strides and chunks are {align}-byte aligned; bulk copies need 16"
         major, minor = _compute_capability(device)
         if major < 9:
             return f"the GPU is sm_{major}{minor}; bulk copies need sm_90 or newer"
+        image = _bulk_image(device)
+        if isinstance(image, str):
+            return f"the driver has no bulk-kernel image for {device}: {image}"
+        binary, ptx = image
+        if min(binary, ptx) < 90:
+            loaded = f"sm_{binary} code" if binary == ptx else f"compute_{ptx} PTX JIT-compiled for sm_{binary}"
+            return (f"bulk copies need sm_90 SASS; the bulk kernel's image for {device} is {loaded} (binaryVersion "
+                    f"{binary}, ptxVersion {ptx}): the extension was built without sm_90+ code for it, e.g. "
+                    f"for archs '8.0+PTX', and there its body only traps")  # fmt: skip
         return None
 
     @staticmethod
@@ -576,8 +654,8 @@ class AutoBackend(IOBackend):
         self.kernel_bulk.last_design = None  # set by a launch only (an empty copy launches nothing)
         copy = self._design(name).prepare(plan)
         if name == "kernel-bulk" and self.kernel_bulk.last_design == "register":
-            # The launch's alignment (host aliases included) turned out below 16 bytes: the register kernel runs.
-            why += "; kernel-bulk ran the register kernel: the route's host aliases are not 16-byte aligned"
+            # E.g. the launch's alignment (host aliases included) turned out below 16 bytes.
+            why += f"; kernel-bulk ran the register kernel: {self.kernel_bulk.last_design_reason}"
             name = "kernel"
         self.last_choice, self.last_reason = name, why
         return copy

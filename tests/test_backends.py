@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -79,11 +80,12 @@ class Tables:
         return self.built[-1]
 
 
-def pretend_cuda(monkeypatch, handle=7, runtime_ok=True):
+def pretend_cuda(monkeypatch, handle=7, runtime_ok=True, stream=None):
     """Make backends treat plans made with ``device=CUDA0`` (or :func:`as_cuda`) as CUDA ones, launched
-    on the given stream handle. The extension's runtime counts as runnable unless ``runtime_ok`` is
-    None (then the real check decides). Returns the fake current device and the fake tables."""
-    stream = FakeStream(handle)
+    on the given stream handle (``stream``, or a :class:`FakeStream` of it). The extension's runtime counts
+    as runnable unless ``runtime_ok`` is None (then the real check decides). Returns the fake current
+    device and the fake tables."""
+    stream = FakeStream(handle) if stream is None else stream
     monkeypatch.setattr(backends, "_stream", lambda plan: stream)
     monkeypatch.setattr(backends, "_stream_handle", lambda plan: (handle, stream))
     if runtime_ok is not None:
@@ -99,6 +101,14 @@ def pretend_cuda(monkeypatch, handle=7, runtime_ok=True):
     current = type("CurrentDeviceOfThisTest", (CurrentDevice,), {"current": torch.device("cuda", 0)})
     monkeypatch.setattr(torch.cuda, "device", current)
     return current, tables
+
+
+def pretend_gpu(monkeypatch, capability: tuple[int, int], image: tuple[int, int] | None = None) -> None:
+    """The device pool's GPU is sm_<capability>, and the driver loads the bulk kernel for it as ``image``
+    ((binaryVersion, ptxVersion); default: code built for that GPU, as an extension built for its arch)."""
+    arch = 10 * capability[0] + capability[1]
+    monkeypatch.setattr(backends, "_compute_capability", lambda device: capability)
+    monkeypatch.setattr(backends, "_bulk_image", lambda device: image or (arch, arch))
 
 
 def use_ext(monkeypatch, ext) -> None:
@@ -214,7 +224,7 @@ def tabled_auto(tmp_path, table=TABLE, **settings):
 def test_auto_consults_the_table_per_direction_and_bucket(monkeypatch, tmp_path, direction, page_size, capability,
                                                           expected, why):  # fmt: skip
     pretend_cuda(monkeypatch)
-    monkeypatch.setattr(backends, "_compute_capability", lambda device: capability)
+    pretend_gpu(monkeypatch, capability)
     plan, _ = plan_for(layout="page_first_direct", page_size=page_size, direction=direction, device=CUDA0)
     name, reason = tabled_auto(tmp_path).decide(plan)
     assert (name, tabled_auto(tmp_path).choose(plan).name) == (expected, expected.removesuffix("-bulk"))
@@ -251,7 +261,7 @@ def test_auto_runs_and_records_the_bulk_kernel(monkeypatch, tmp_path):
     pretend_cuda(monkeypatch)
     ext = RecordingExt()
     use_ext(monkeypatch, ext)
-    monkeypatch.setattr(backends, "_compute_capability", lambda device: (9, 0))
+    pretend_gpu(monkeypatch, (9, 0))
     plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
     auto = tabled_auto(tmp_path, sm_budget=2)
     auto.run(plan)
@@ -277,7 +287,7 @@ def test_auto_says_when_bulk_ran_the_register_kernel(monkeypatch, tmp_path):
     pretend_cuda(monkeypatch)
     ext = MisalignedAliases()
     use_ext(monkeypatch, ext)
-    monkeypatch.setattr(backends, "_compute_capability", lambda device: (9, 0))
+    pretend_gpu(monkeypatch, (9, 0))
     plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
     auto = tabled_auto(tmp_path)
     auto.run(plan)  # the host pool's addresses are 16-byte aligned, so the table's kernel-bulk is picked
@@ -439,6 +449,74 @@ def test_kernel_backend_prepares_a_route_once(monkeypatch):
     assert ext.calls[-1][1][7:9] == (2, 1)  # layer_begin, layer_count
 
 
+class QueuedStream(FakeStream):
+    """A stream whose work runs only when something waits for it (an event recorded after the work, or
+    ``synchronize``), as on a GPU where the stream is still busy: kernels queue their effects here."""
+
+    def __init__(self, handle: int) -> None:
+        super().__init__(handle)
+        self.queue: list[Callable[[], None]] = []
+        self.done = 0
+
+    def run_until(self, mark: int) -> None:
+        while self.done < mark:
+            self.queue[self.done]()
+            self.done += 1
+
+    def wait_event(self, event: QueuedEvent) -> None:
+        event.synchronize()  # what ran before the event has run before anything this stream issues next
+
+    def synchronize(self) -> None:
+        self.run_until(len(self.queue))
+
+
+class QueuedEvent:
+    """Stands in for ``torch.cuda.Event``: complete once its stream ran what was queued before it."""
+
+    def record(self, stream: QueuedStream) -> None:
+        self.stream, self.mark = stream, len(stream.queue)
+
+    def query(self) -> bool:
+        return self.stream.done >= self.mark
+
+    def synchronize(self) -> None:
+        self.stream.run_until(self.mark)
+
+
+class SkippingExt(RecordingExt):
+    """A transfer kernel that skips ``units`` units: it adds them to the counter it is given when its
+    stream runs it, not when it is launched."""
+
+    def __init__(self, streams: dict[int, QueuedStream], counter: torch.Tensor, units: int) -> None:
+        super().__init__()
+        self.streams, self.counter, self.units = streams, counter, units
+
+    def __getattr__(self, name):
+        record = super().__getattr__(name)
+        if name != "transfer":
+            return record
+
+        def transfer(*args):
+            record(*args)
+            assert args[15] == self.counter.data_ptr()
+            self.streams[args[16]].queue.append(lambda: self.counter.add_(self.units))
+
+        return transfer
+
+
+def counting_on_queued_streams(monkeypatch, launch: QueuedStream) -> tuple[KernelBackend, torch.Tensor, QueuedStream]:
+    """A counting KernelBackend launching on ``launch`` (a controller's copy stream, say) while the
+    pools' device's current stream is another queued stream; its counter a CPU tensor."""
+    pretend_cuda(monkeypatch, launch.cuda_stream, stream=launch)
+    current = QueuedStream(0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Event", QueuedEvent)
+    counting = KernelBackend(count_skipped=True)
+    counter = torch.zeros(1, dtype=torch.int32)  # a CUDA counter, on the CPU
+    counting._skipped[CUDA0] = backends._SkipCounter(counter)
+    return counting, counter, current
+
+
 def test_kernel_backend_passes_a_skip_counter_only_when_asked(monkeypatch):
     pretend_cuda(monkeypatch)
     ext = RecordingExt()
@@ -446,14 +524,33 @@ def test_kernel_backend_passes_a_skip_counter_only_when_asked(monkeypatch):
     plan, _ = plan_for(device=CUDA0)
     KernelBackend().run(plan)
     assert ext.calls[-1][1][15] == 0
-    counting = KernelBackend(count_skipped=True)
-    counter = counting._skipped[CUDA0] = torch.zeros(1, dtype=torch.int32)  # a CUDA counter, on the CPU
+    counting, counter, _ = counting_on_queued_streams(monkeypatch, QueuedStream(7))
     counting.run(plan)
     assert ext.calls[-1][1][15] == counter.data_ptr()
     counter.fill_(7)  # as the kernel would after skipping units
     assert counting.skipped() == 7 and counting.skipped() == 0
     with pytest.raises(ValueError, match="count_skipped"):
         KernelBackend().skipped()
+
+
+def test_skipped_waits_for_counting_kernels_on_the_copy_streams(monkeypatch):
+    """Counting kernels run on side streams (the controller's copy streams) that are still busy when
+    ``skipped()`` reads on the current stream: the read must wait for each of them."""
+    copy_a, copy_b = QueuedStream(7), QueuedStream(8)
+    counting, counter, current = counting_on_queued_streams(monkeypatch, copy_a)
+    use_ext(monkeypatch, SkippingExt({7: copy_a, 8: copy_b}, counter, units=3))
+    plan, _ = plan_for(device=CUDA0)
+    counting.run(plan)
+    assert counter.item() == 0  # the kernel is still queued on its copy stream
+    assert counting.skipped() == 3
+    counting.run(plan)
+    monkeypatch.setattr(backends, "_stream_handle", lambda plan: (8, copy_b))
+    counting.run(plan)
+    counting.run(plan)
+    assert counting.skipped() == 9  # one launch on copy stream 7, two on 8: all waited for
+    assert (copy_a.done, copy_b.done) == (2, 2) and counting.skipped() == 0
+    counting.run(plan)  # after the reset: counted into the next read, not lost to it
+    assert counting.skipped() == 3
 
 
 def test_registry():
@@ -693,7 +790,7 @@ def test_bulk_design_is_used_where_it_can_run(monkeypatch, head_dim, capability,
     pretend_cuda(monkeypatch)
     ext = RecordingExt()
     use_ext(monkeypatch, ext)
-    monkeypatch.setattr(backends, "_compute_capability", lambda device: capability)
+    pretend_gpu(monkeypatch, capability)
     pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=4, head_num=1,
                        head_dim=head_dim)  # fmt: skip
     d_idx, h_idx = make_indices("random", 96, 16, 4, count=5, seed=1)
@@ -703,10 +800,98 @@ def test_bulk_design_is_used_where_it_can_run(monkeypatch, head_dim, capability,
     kernel.run(plan)
     name, args = ext.calls[-1]
     assert name == launched and kernel.last_design == ("bulk" if launched == "transfer_bulk" else "register")
+    assert (kernel.last_design_reason is None) == (launched == "transfer_bulk")
     register = RecordingExt()
     use_ext(monkeypatch, register)
-    KernelBackend().run(plan)  # the default design: the same arguments to the register kernel
-    assert register.calls[-1] == ("transfer", args)
+    KernelBackend().run(plan)  # the default design: the same arguments to the register kernel (and dst_host)
+    assert register.calls[-1] == ("transfer", args[:17] + (True,))
+
+
+@pytest.mark.parametrize(
+    ("image", "loaded"),
+    [
+        ((90, 80), "compute_80 PTX JIT-compiled for sm_90 (binaryVersion 90, ptxVersion 80)"),  # an "8.0+PTX" build
+        ((80, 80), "sm_80 code (binaryVersion 80, ptxVersion 80)"),
+    ],
+)
+def test_bulk_design_refuses_an_image_without_sm90_code(monkeypatch, tmp_path, image, loaded):
+    """On an H100, a build without sm_90 code runs the bulk kernel's older-arch body, which only traps:
+    the backend runs the register kernel instead and says why, and auto ranks kernel-bulk out."""
+    pretend_cuda(monkeypatch)
+    ext = RecordingExt()
+    use_ext(monkeypatch, ext)
+    pretend_gpu(monkeypatch, (9, 0), image=image)
+    plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)  # 16-byte aligned, kernel-bulk's bucket
+    kernel = KernelBackend(design="bulk")
+    kernel.run(plan)
+    assert ext.calls[-1][0] == "transfer" and kernel.last_design == "register"
+    refusal = f"bulk copies need sm_90 SASS; the bulk kernel's image for cuda:0 is {loaded}"
+    assert kernel.last_design_reason.startswith(refusal)
+    name, why = tabled_auto(tmp_path).decide(plan)
+    assert name == "staged" and f"kernel-bulk skipped: {refusal}" in why
+
+
+class BulkImage(RecordingExt):
+    """Answers bulk_image_versions with ``image``, or raises what the driver would without one."""
+
+    def __init__(self, image: tuple[int, int] | None):
+        super().__init__()
+        self.image = image
+
+    def __getattr__(self, name):
+        record = super().__getattr__(name)
+        if name != "bulk_image_versions":
+            return record
+
+        def versions(device: int) -> tuple[int, int]:
+            record(device)
+            if self.image is None:
+                raise RuntimeError("bulk_image_versions (cuKernelGetAttribute) failed: cudaErrorNoKernelImageForDevice")
+            return self.image
+
+        return versions
+
+
+@pytest.fixture
+def fresh_bulk_image():
+    """The per-device answer of ``_bulk_image`` is cached: each test asks afresh, and leaves nothing cached."""
+    backends._bulk_image.cache_clear()
+    yield
+    backends._bulk_image.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("image", "launched"), [((90, 90), "transfer_bulk"), ((90, 80), "transfer"), (None, "transfer")]
+)
+def test_bulk_design_asks_the_extension_for_the_loaded_image(monkeypatch, fresh_bulk_image, image, launched):
+    pretend_cuda(monkeypatch)
+    ext = BulkImage(image)
+    use_ext(monkeypatch, ext)
+    monkeypatch.setattr(backends, "_compute_capability", lambda device: (9, 0))
+    plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
+    kernel = KernelBackend(design="bulk")
+    kernel.run(plan)
+    kernel.run(plan)
+    assert [c for c in ext.calls if c[0] == "bulk_image_versions"] == [("bulk_image_versions", (0,))]  # asked once
+    assert ext.calls[-1][0] == launched
+    if image is None:
+        assert kernel.last_design_reason == (
+            "the driver has no bulk-kernel image for cuda:0: bulk_image_versions (cuKernelGetAttribute) failed: "
+            "cudaErrorNoKernelImageForDevice"
+        )
+
+
+@pytest.mark.parametrize(("direction", "dst_host"), [("d2h", True), ("h2d", False)])
+def test_register_kernel_streams_its_stores_to_host_memory_only(monkeypatch, direction, dst_host):
+    """The register kernel's store cache policy follows the destination (csrc/transfer.cuh): evict-first
+    for a backup into host memory, write-back for a load into device memory, which attention reads next."""
+    pretend_cuda(monkeypatch)
+    ext = RecordingExt()
+    use_ext(monkeypatch, ext)
+    plan, _ = plan_for(direction=direction, device=CUDA0)
+    KernelBackend().run(plan)
+    name, args = ext.calls[-1]
+    assert name == "transfer" and len(args) == 18 and args[17] is dst_host
 
 
 def test_kernel_design_is_checked():

@@ -4,7 +4,8 @@
   instantiation exists with no stack frame and no spills, and its SASS moves data with the bulk-copy
   engine (``UBLKCP.S.G`` global->shared, ``UBLKCP.G.S`` shared->global), orders the ring with
   mbarriers (``SYNCS.*``), commits and drains bulk groups (``UTMACMDFLUSH``, ``DEPBAR.LE``) and has
-  no local-memory or register-path data access.
+  no local-memory or register-path data access. Compiled for sm_80 (and that PTX JIT-compiled for
+  sm_90, as an "8.0+PTX" build reaches an H100), every kernel traps (``BPT.TRAP``).
 - Argument checks of ``transfer_bulk`` name the argument; anything not a multiple of 16 bytes is
   refused (the caller then uses the register kernel).
 - The kernel's own schedule and address code, compiled for the host (``bulk_schedule``), applied to
@@ -111,18 +112,35 @@ def test_sass_moves_data_with_bulk_copies_ordered_by_mbarriers(compiled: tuple[s
         assert not [op for op in ops_ if op.startswith("LDG") and ".128" in op], key
 
 
+def older_arch_sass(tmp_path: Path, jit_for_sm90: bool) -> str:
+    """SASS of csrc/transfer_bulk.cu built for sm_80: its sm_80 cubin, or (``jit_for_sm90``) its compute_80
+    PTX compiled for sm_90 by ptxas, as the driver JIT-compiles the PTX of an "8.0+PTX" build on an H100."""
+    base = [str(NVCC), "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}",
+            str(ROOT / "csrc" / "transfer_bulk.cu")]  # fmt: skip
+    cubin = tmp_path / "bulk.cubin"
+    if jit_for_sm90:
+        ptx = tmp_path / "bulk80.ptx"
+        steps = [[*base, "-arch=compute_80", "-ptx", "-o", str(ptx)],
+                 [str(CUDA_HOME / "bin" / "ptxas"), "-arch=sm_90", str(ptx), "-o", str(cubin)]]  # fmt: skip
+    else:
+        steps = [[*base, "-arch=sm_80", "-cubin", "-o", str(cubin)]]
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 @needs_nvcc
-def test_older_archs_compile_an_empty_body(tmp_path: Path) -> None:
-    """Below sm_90 the kernel has no body (the launcher refuses those devices), and still builds."""
-    out = tmp_path / "bulk80.cubin"
-    cmd = [str(NVCC), "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-arch=sm_80", "-cubin",
-           str(ROOT / "csrc" / "transfer_bulk.cu"), "-o", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    sass = subprocess.run([cuobjdump(), "-sass", str(out)], capture_output=True, text=True, check=True).stdout
-    funcs = sass_opcodes(sass)
+@pytest.mark.parametrize("jit_for_sm90", [False, True], ids=["sm80-cubin", "compute80-ptx-jit-for-sm90"])
+def test_older_archs_trap_instead_of_copying_nothing(tmp_path: Path, jit_for_sm90: bool) -> None:
+    """Code compiled for an arch below sm_90 has no bulk-copy body (the launcher refuses those GPUs), but
+    an "8.0+PTX" build reaches an H100 as that code, JIT-compiled: each kernel traps there (the launch
+    fails) rather than returning at once, as if it had copied everything."""
+    funcs = sass_opcodes(older_arch_sass(tmp_path, jit_for_sm90))
     assert set(funcs) == ALL_KERNELS
-    assert all(not any(op.startswith(("UBLKCP", "SYNCS", "LDG", "STG")) for op in f) for f in funcs.values())
+    for key, ops_ in funcs.items():
+        assert "BPT.TRAP" in ops_, (key, ops_)
+        assert not [op for op in ops_ if op.startswith(("UBLKCP", "SYNCS", "LDG", "STG"))], (key, ops_)
 
 
 # ------------------------------------------------------------------------------------ argument checks

@@ -43,7 +43,7 @@ def transfer_args(**over: object) -> dict[str, object]:
     args: dict[str, object] = dict(
         src_desc=side(), src_table=False, dst_desc=side(base=1 << 24), dst_table=False,
         src_idx_ptr=1 << 12, dst_idx_ptr=1 << 13, n=8, layer_begin=0, layer_count=4, num_kv=2, num_chunks=1,
-        chunk_bytes=256, align_bytes=0, num_blocks=4, warps_per_block=32, oob_count_ptr=0, stream=0,
+        chunk_bytes=256, align_bytes=0, num_blocks=4, warps_per_block=32, oob_count_ptr=0, stream=0, dst_host=True,
     )  # fmt: skip
     args.update(over)
     return args
@@ -247,3 +247,8 @@ def test_error_name(C) -> None:
 def test_kernel_image_versions_device(C) -> None:
     with refused("kernel_image_versions: device must be >= 0, got -1"):
         C.kernel_image_versions(-1)
+
+
+def test_bulk_image_versions_device(C) -> None:
+    with refused("bulk_image_versions: device must be >= 0, got -1"):
+        C.bulk_image_versions(-1)

@@ -91,6 +91,25 @@ def test_kernel_counts_skipped_units_without_a_sync():
     assert backend.skipped() == 0
 
 
+def test_kernel_skip_count_waits_for_a_busy_side_stream():
+    """The counting kernel runs on a side stream (a controller's copy stream) still busy with earlier work
+    when skipped() reads on the current stream: the read waits for it, and the reset precedes the next."""
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, device="cuda", pin=True,
+                       num_layers=3)  # fmt: skip
+    backend = get_backend("kernel", count_skipped=True)
+    d_idx, h_idx = torch.tensor([0, 1, 500], device="cuda"), torch.tensor([2, 3, 4], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the pools and indices are ready
+    for _ in range(2):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # keeps the side stream busy: the launch below queues behind it
+        ops.backup_all_layers(pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout="page_first",
+                              page_size=1, backend=backend, check_indices=False, stream=side)  # fmt: skip
+        assert backend.skipped() == 1 * 2 * 3  # one bad pair x K/V x 3 layers, counted once
+    side.synchronize()
+    assert backend.skipped() == 0
+
+
 @pytest.mark.parametrize("backend", ["kernel", "triton"])
 def test_cuda_graph_capture_and_replay(backend):
     """Capture a backup + load pair; replays follow new data and new indices written in place."""

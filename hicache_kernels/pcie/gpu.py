@@ -112,11 +112,11 @@ class LinkBench:
         dst_desc = (dst_base, 1, 0, 0, chunk, 0, 0, 1, slots)
         idx = self._indices(slots).data_ptr()
         handle, ext, blocks = stream.cuda_stream, self.ext, spec.sm_budget
+        dst_host = direction == "d2h"  # the kernel's store policy: streaming to host memory only
 
         def launch() -> None:
-            ext.transfer(
-                src_desc, False, dst_desc, False, idx, idx, slots, 0, 1, 1, 1, chunk, 0, blocks, wpb, 0, handle
-            )
+            ext.transfer(src_desc, False, dst_desc, False, idx, idx, slots, 0, 1, 1, 1, chunk, 0, blocks, wpb, 0,
+                         handle, dst_host)  # fmt: skip
 
         return launch, {"chunk_bytes": chunk, "warps_per_block": wpb}
 
