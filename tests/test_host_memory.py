@@ -194,3 +194,16 @@ def test_cuda_pinned_pool_is_pinned_and_exact(ratio, head_dim):
         torch.cuda.synchronize()
         for pool in (dev.k, dev.v):
             assert same_bytes(pool[:, d2.cuda()], pool[:, d.cuda()])
+
+
+def test_cache_metrics_report_the_pinned_bytes(fake_cuda):
+    from hicache.controller import HiCacheController
+
+    dev = dev_pool()
+    host = HostKVPool(dev, layout="page_first", ratio=2.5, pin_memory=True, mem_available_bytes=BIG_RAM)
+    ctrl = HiCacheController(dev, host, io_backend="direct", threaded=False)
+    assert ctrl.metrics.host_pinned_bytes == host.pinned_bytes == rounded(host.total_bytes)
+    assert ctrl.metrics.as_dict()["host_pinned_bytes"] == host.pinned_bytes
+    ctrl.close()
+    pageable = HostKVPool(dev, layout="page_first", ratio=2.5, mem_available_bytes=BIG_RAM)
+    assert HiCacheController(dev, pageable, io_backend="direct", threaded=False).metrics.host_pinned_bytes == 0

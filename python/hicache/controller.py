@@ -71,6 +71,7 @@ class CacheMetrics:
     loads_failed: int = 0  # load-backs that raised (their nodes go back to host-only)
     copies_dropped: int = 0  # copies dropped unrun by close(drain=False)
     load_back_latency_s: list[float] = field(default_factory=list)
+    host_pinned_bytes: int = 0  # page-locked bytes of the host pool (its exact size, rounded to OS pages)
     # The storage tier (HiRadixCache(storage=...)); pages are host pages (page_size tokens).
     storage_pages_written: int = 0
     storage_pages_skipped: int = 0  # already stored (by this or another instance): not written again
@@ -294,7 +295,7 @@ class HiCacheController:
         self.threaded = threaded
         self.layer_wise = layer_wise
         self.on_gpu = on_gpu
-        self.metrics = CacheMetrics()
+        self.metrics = CacheMetrics(host_pinned_bytes=int(getattr(host_pool, "pinned_bytes", 0)))
         events = self.device if self.device.has_events else None
         self.layer_counter = LayerDoneCounter(device_pool.num_layers, events=events)
         # Issued copies in issue order, per kind; taken by finished_* once their done events complete.
