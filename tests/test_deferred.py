@@ -139,26 +139,26 @@ def test_a_read_before_the_copy_landed_fails_and_after_the_wait_passes(expect_ha
     model.check_read(region, "the forward")
 
 
-def test_a_stream_reading_anothers_output_must_wait_on_its_event(expect_hazards):
-    for wait in (True, False):
-        dev, host = pools()
-        binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
-        model = DeferredDevice(seed=0, step_probability=0.0)
-        load, write = model.new_stream("load"), model.new_stream("write")
-        d_idx, h_idx = torch.arange(8, 12), torch.arange(0, 4)
-        model.launch(load, lambda s: binding.load(d_idx, h_idx, backend="direct"), reads=[KVRegion(host, h_idx)],
-                     writes=[KVRegion(dev, d_idx)], what="load")  # fmt: skip
-        if wait:
-            ev = model.new_event()
-            ev.record(load)
-            write.wait_event(ev)
-        backup_launch(model, write, binding, dev, host, d_idx, torch.arange(16, 20))
-        if wait:
-            write.synchronize()  # runs the load first, then the backup reads what it loaded
-            assert torch.equal(host.buffer[:, 16:20], host.buffer[:, 0:4])
-        else:
-            with pytest.raises(OrderingError, match="is the destination of op #1"):
-                write.synchronize()
+@pytest.mark.parametrize("wait", [True, False], ids=["waits", "does_not_wait"])
+def test_a_stream_reading_anothers_output_must_wait_on_its_event(expect_hazards, wait):
+    dev, host = pools()
+    binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
+    model = DeferredDevice(seed=0, step_probability=0.0)
+    load, write = model.new_stream("load"), model.new_stream("write")
+    d_idx, h_idx = torch.arange(8, 12), torch.arange(0, 4)
+    model.launch(load, lambda s: binding.load(d_idx, h_idx, backend="direct"), reads=[KVRegion(host, h_idx)],
+                 writes=[KVRegion(dev, d_idx)], what="load")  # fmt: skip
+    if wait:
+        ev = model.new_event()
+        ev.record(load)
+        write.wait_event(ev)
+    backup_launch(model, write, binding, dev, host, d_idx, torch.arange(16, 20))
+    if wait:
+        write.synchronize()  # runs the load first, then the backup reads what it loaded
+        assert torch.equal(host.buffer[:, 16:20], host.buffer[:, 0:4])
+    else:
+        with pytest.raises(OrderingError, match="is the destination of op #1"):
+            write.synchronize()
 
 
 def test_launch_faults_raise_at_issue_and_queue_nothing():

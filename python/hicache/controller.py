@@ -28,6 +28,7 @@ completions back to the tree.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import weakref
@@ -438,9 +439,10 @@ class HiCacheController:
         stream = self._write_stream if op.kind == "write" else self._load_stream
         ack = _Ack(op.kind, op.node_ids, None, tokens=len(op.device_indices), generation=op.generation)
         try:
-            ack.start = self.device.new_event(timing=True)
-            ack.start.record(stream)
-            self._issue(op, stream)
+            with torch.cuda.device(self.device_pool.device) if self.on_gpu else contextlib.nullcontext():
+                ack.start = self.device.new_event(timing=True)  # worker threads start on device 0
+                ack.start.record(stream)
+                self._issue(op, stream)
         except BaseException as exc:
             ack.error = exc
             if op.kind == "load" and op.generation in self.layer_counter.in_flight:

@@ -380,17 +380,22 @@ class Engine:
                 device = cache.controller.device
                 generation = cache.start_loading() if any(r.host_hit for r in new) else 0
                 counter = cache.controller.layer_counter
-                # The KV this step's forward reads: every sequence's slots up to its new tokens.
-                read = [slots[:start] for _, start, slots in seqs if start]
+                # The KV this step's forward reads (every sequence's slots before its new tokens), for a
+                # device that checks reads against copies still in flight (the deferred model).
+                read = [slots[:start] for _, start, slots in seqs if start] if device.checks_reads else []
                 regions = [[KVRegion(self.pool, torch.cat(read), (layer,))] if read else []
                            for layer in range(self.pool.num_layers)]  # fmt: skip
 
-                def wait(layer: int) -> None:
+                def wait_and_check(layer: int) -> None:
                     if generation:
                         w0 = time.perf_counter()
                         counter.wait_until(layer, generation=generation)
                         waited[0] += time.perf_counter() - w0
-                    device.check_read(regions[layer], f"the forward reading layer {layer}")
+                    if regions[layer]:
+                        device.check_read(regions[layer], f"the forward reading layer {layer}")
+
+                if generation or read:
+                    wait = wait_and_check
 
             logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True)
         except BaseException:  # a load that could not start, a failed wait or forward: give back what new hold

@@ -35,6 +35,7 @@ import torch
 
 from .storage import Namespace, StorageBackend, create_backend, page_keys
 from .storage.tier import Prefetch, PrefetchPolicy, StorageTier
+from .streams import KVRegion
 from .tree import TreeNode, copy_chain
 
 if TYPE_CHECKING:
@@ -118,6 +119,9 @@ class StorageOps:
             return
         if len(keys) * self.page_size != len(host):
             return
+        # The storage threads read the host pages from now on: they must have landed (the deferred model
+        # checks it; on a GPU the write's ack came from its completed event).
+        self.controller.device.check_read([KVRegion(self.host_pool, host)], f"the storage backup of node {node.id}")
         self._host_pins[node.id] = self._host_pins.get(node.id, 0) + 1
         self._inflight_storage.setdefault(node.id, []).append(node)
         self._storage.submit_backup(node.id, keys, host)

@@ -82,6 +82,7 @@ class StreamDevice(Protocol):
 
     name: str
     has_events: bool
+    checks_reads: bool  # whether check_read does anything (callers skip building regions otherwise)
 
     def new_stream(self, name: str) -> Any: ...
 
@@ -111,6 +112,7 @@ class CudaDevice:
 
     name = "cuda"
     has_events = True
+    checks_reads = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -177,6 +179,7 @@ class EagerDevice:
 
     name = "eager"
     has_events = False
+    checks_reads = False
 
     def new_stream(self, name: str) -> _EagerStream:
         return _EagerStream(name)
