@@ -547,3 +547,28 @@ def test_serve_gives_back_the_locks_of_a_request_whose_admission_raised(monkeypa
         with pytest.raises(RuntimeError, match="injected load-back failure"):
             engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
         assert_nothing_held(cache, pool)
+
+
+def test_serve_gives_back_the_requests_admitted_before_one_whose_admission_raised(monkeypatch):
+    """The second admission of a step raises: the first request, already admitted in that step (slots
+    allocated, prefix locked), gives back what it holds too. Before, it was in neither the running batch
+    nor the unwound one, and its slots and locks leaked."""
+    model = TinyLM(CFG)
+    pool = CFG.pool(128, PAGE)
+    reqs = staggered_requests(seed=2, n=6)
+    with make_cache(pool, threaded=False) as cache:
+        engine = Engine(model, pool, cache)
+        engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)  # cached prefixes
+        real = Engine._admit
+        calls = [0]
+
+        def admit(self, req, budget):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected admission failure")
+            return real(self, req, budget)
+
+        monkeypatch.setattr(Engine, "_admit", admit)
+        with pytest.raises(RuntimeError, match="injected admission failure"):
+            engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
+        assert_nothing_held(cache, pool)

@@ -50,8 +50,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_kernels import layouts
-
 from .streams import KVRegion
 
 __all__ = ["POISON", "DeferredDevice", "OrderingError", "env_seed", "hazard_log"]
@@ -126,16 +124,7 @@ def _spans(region: KVRegion) -> list[_Span]:
             else:
                 out += [_Span(region, _uint8(t[layer]), slots * item, item, slots) for layer in layers]
         return out
-    g = layouts.host_geometry(
-        pool.layout,
-        mla=pool.mla,
-        num_layers=pool.num_layers,
-        num_slots=pool.size,
-        page_size=pool.page_size,
-        head_num=pool.head_num,
-        head_dim=pool.head_dim,
-        elem_bytes=pool.dtype.itemsize,
-    )
+    g = pool.geometry  # HostKVPool: its layout's byte strides
     kv = np.arange(g.num_kv)[:, None, None, None] * g.s_kv
     lay = np.asarray(layers)[None, :, None, None] * g.s_layer
     n = slots[None, None, :, None]

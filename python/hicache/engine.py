@@ -356,16 +356,20 @@ class Engine:
         """Admit waiting requests in order while they fit (stops at the first that does not)."""
         new: list[_Running] = []
         prefill = 0
-        while waiting and len(running) + len(new) < max_running:
-            req = waiting[0]
-            # The budget binds from the second request of a step on: a larger one still goes in alone.
-            run = self._admit(req, None if budget is None or not new else budget - prefill)
-            if run is None:
-                break
-            waiting.pop(0)
-            run.admitted = now
-            prefill += len(req.prompt) - run.prefix
-            new.append(run)
+        try:
+            while waiting and len(running) + len(new) < max_running:
+                req = waiting[0]
+                # The budget binds from the second request of a step on: a larger one still goes in alone.
+                run = self._admit(req, None if budget is None or not new else budget - prefill)
+                if run is None:
+                    break
+                waiting.pop(0)
+                run.admitted = now
+                prefill += len(req.prompt) - run.prefix
+                new.append(run)
+        except BaseException:  # a later admission raised: the requests admitted before it give back theirs
+            self._unwind(new)
+            raise
         return new
 
     def _step(self, new: list[_Running], running: list[_Running], clock: Callable[[], float], t0: float) -> None:

@@ -513,14 +513,12 @@ class HostKVPool:
         """Bytes of one page (``page_size`` slots, all layers, K and V or the latent): a page object's size."""
         return self.page_size * self.bytes_per_slot
 
-    def _page_pattern(self) -> tuple[tuple[int, int], ...]:
-        """The byte ranges of page 0 relative to ``buffer``'s start, sorted and with adjacent ranges merged.
-
-        Every layout is affine in the page (see :mod:`hicache_kernels.layouts`), so page ``p``'s ranges are
-        these shifted by ``p * page_stride``; computed once from the layout geometry."""
-        pattern = getattr(self, "_pattern", None)
-        if pattern is None:
-            g = layouts.host_geometry(
+    @property
+    def geometry(self) -> layouts.HostGeometry:
+        """The byte strides of ``buffer`` (:func:`hicache_kernels.layouts.host_geometry`), computed once."""
+        g = getattr(self, "_geometry", None)
+        if g is None:
+            g = self._geometry = layouts.host_geometry(
                 self.layout,
                 mla=self.mla,
                 num_layers=self.num_layers,
@@ -530,6 +528,16 @@ class HostKVPool:
                 head_dim=self.head_dim,
                 elem_bytes=self.dtype.itemsize,
             )
+        return g
+
+    def _page_pattern(self) -> tuple[tuple[int, int], ...]:
+        """The byte ranges of page 0 relative to ``buffer``'s start, sorted and with adjacent ranges merged.
+
+        Every layout is affine in the page (see :mod:`hicache_kernels.layouts`), so page ``p``'s ranges are
+        these shifted by ``p * page_stride``; computed once from the layout geometry."""
+        pattern = getattr(self, "_pattern", None)
+        if pattern is None:
+            g = self.geometry
             kv = np.arange(g.num_kv, dtype=np.int64)[:, None, None, None] * g.s_kv
             layer = np.arange(g.num_layers, dtype=np.int64)[None, :, None, None] * g.s_layer
             n = np.arange(self.page_size, dtype=np.int64)  # slots of page 0 in the layout's addressing
