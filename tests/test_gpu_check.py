@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STAGE1 = ("build", "info", "gpu-smoke", "bench-core", "targets", "host-overhead", "bench-designs")
-STAGE2 = ("gpu-tests", "sanitizer", "pcie-quick", "bench-quick", "serving-args", "bench-serving")
+STAGE2 = ("gpu-tests", "sanitizer", "pcie-quick", "bench-quick", "serving-args", "bench-serving", "serving-longqa")
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the real script runs on a GPU machine")
 
 
@@ -47,10 +47,15 @@ def test_dry_run_starts_every_step(tmp_path):
     assert json.loads((out / "bench_core.json").read_text())["mode"] == "cpu-functional-check"
     assert json.loads((out / "pcie.json").read_text())["mode"] == "no-gpu"
     assert "kernel / copy-engine ceiling" in summary  # the targets table (all n/a without points)
-    # The GPU serving run's own arguments were parsed (the CLI stops at the missing GPU), and the CPU
-    # stand-in's serving target is read back (n/a off a GPU).
-    assert "--ffn 14336" in log and "no CUDA device is visible" in log
+    # The GPU serving runs' own arguments were parsed (the CLI stops at the missing GPU: once for the
+    # multi-turn run, once for long-context QA), and the CPU stand-ins' serving targets are read back
+    # (n/a off a GPU).
+    assert "--ffn 14336" in log and "--workload longqa --docs 12 --doc-len 8192" in log
+    assert log.count("bench_serving: --device cuda: no CUDA device is visible") == 2
     assert "Serving target read from serving.json:" in summary and summary.rstrip().endswith("n/a")
+    longqa = json.loads((out / "serving_longqa.json").read_text())
+    assert longqa["workload"] == "longqa" and longqa["documents_kv_tokens"] >= 4 * longqa["device_slots"]
+    assert "Serving target read from serving_longqa.json:" in summary
     # What one call of the device tool brings back (8 files at most): each stage alone stays within it
     # (a stage-2 call writes only its own files beside the log and the summary).
     names = {p.name for p in out.iterdir()}

@@ -1,27 +1,29 @@
 """Serving benchmark: the same request stream through recompute, a device-only radix cache, the
 hierarchical cache (device + host) and the hierarchical cache with a storage tier, on :mod:`hicache.engine`.
 
-Workloads: ``multiturn`` (clients with a shared system prompt, several rounds each; a round's prompt is
-the whole history plus a new question) and ``longqa`` (one long document, many questions). Turns are
-scheduled as a Poisson process at ``--rate`` per second (0: all at once); a client sends its next turn
-at its scheduled time or, if later, as soon as it has the answer to the previous one (closed loop).
-The clients keep at most ``--max-parallel`` requests in flight. The engine serves them with
-continuous batching (:meth:`hicache.engine.Engine.serve`: up to ``--max-running`` requests in the
-running batch, each step one forward over the new prefills and a decode token of every running
-request), in real time: a request's time to first token (TTFT) counts from when it was sent, so
-waiting for admission on the server (a full device pool, a full batch) counts too.
+Workloads (:mod:`hicache.serving_workloads`): ``multiturn`` (clients with a shared system prompt, several
+rounds each; a round's prompt is the whole history plus a new question) and ``longqa`` (several long
+documents, questions interleaved across them; a question's prompt is its document plus the question).
+Turns are scheduled as a Poisson process at ``--rate`` per second (0: all at once); a client sends its
+next turn at its scheduled time or, if later, as soon as it has the answer to the previous one (closed
+loop). The clients keep at most ``--max-parallel`` requests in flight. The engine serves them with
+continuous batching (:meth:`hicache.engine.Engine.serve`: up to ``--max-running`` requests in the running
+batch, each step one forward over the new prefills and a decode token of every running request), in real
+time: a request's time to first token (TTFT) counts from when it was sent, so waiting for admission on
+the server (a full device pool, a full batch) counts too.
 
 Modes: ``recompute`` (no cache), ``device`` (radix cache on the device pool only: nothing is ever
 backed up, eviction deletes), ``hierarchical`` (write-through to the host pool, host hits loaded back
 layer by layer), ``storage`` (hierarchical, plus a file-backed storage tier below a host pool of
 ``--storage-host-ratio`` device pools, smaller than the working set: host evictions stay in the store
-and come back by prefetch). The device pool holds
-``--device-fraction`` of the working set (default a quarter).
+and come back by prefetch). The device pool holds ``--device-fraction`` (default a quarter) of the
+working set, for ``longqa`` of the documents' KV (so they are 4x the pool: a document is evicted before
+its next question comes); the host pool holds the whole working set.
 
-Reports per mode: TTFT p50/p90/p99 (and p50 per round), the time waited for admission (p50),
-throughput (generated tokens per second from the first arrival to the last answer), prompt tokens
-per tier (device hit, host hit, from storage, computed), tokens loaded back and their GB/s, time the
-forward waited for layer loads. ``--json``, ``--plot PATH.png``.
+Reports per mode: TTFT p50/p90/p99 (and p50 per round; ``longqa``: per question on its document), the
+time waited for admission (p50), throughput (generated tokens per second from the first arrival to the
+last answer), prompt tokens per tier (device hit, host hit, from storage, computed), tokens loaded back
+and their GB/s, time the forward waited for layer loads. ``--json``, ``--plot PATH.png``.
 
 Run ``python -m hicache.bench_serving --quick`` (under two minutes on 2 CPU cores); ``--help``.
 """
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
 import json
 import platform
 import random
@@ -46,108 +47,11 @@ import torch
 from .engine import Engine, GenerationResult, ModelConfig, Request, TinyLM
 from .pools import HostKVPool
 from .radix_cache import HiRadixCache
+from .serving_workloads import Clients, Turn, longest_per_client, longqa, multiturn
 from .storage import FileBackend
 from .storage.tier import PrefetchPolicy
 
 MODES = ("recompute", "device", "hierarchical", "storage")
-
-
-@dataclasses.dataclass
-class Turn:
-    """One request of the workload: ``client``'s ``round``-th turn, scheduled at ``at`` seconds."""
-
-    at: float
-    round: int
-    client: int
-    prompt: list[int] | None  # None: built when sent (multi-turn prompts include earlier answers)
-    new_tokens: int
-
-
-def multiturn(args: argparse.Namespace, r: random.Random) -> tuple[list[Turn], Any]:
-    """Turns and a ``prompt_of(turn, answers)`` that builds a round's prompt from the history."""
-    system = [r.randrange(args.vocab) for _ in range(args.system_len)]
-    questions = {(c, k): [r.randrange(args.vocab) for _ in range(args.turn_len)]
-                 for c in range(args.clients) for k in range(args.rounds)}  # fmt: skip
-    turns, t = [], 0.0
-    for k in range(args.rounds):
-        order = list(range(args.clients))
-        r.shuffle(order)
-        for c in order:
-            t += r.expovariate(args.rate) if args.rate > 0 else 0.0
-            turns.append(Turn(t, k, c, None, args.output_len))
-
-    def prompt_of(turn: Turn, answers: dict) -> list[int]:
-        out = list(system)
-        for k in range(turn.round + 1):
-            out += questions[(turn.client, k)]
-            if k < turn.round:
-                out += answers[(turn.client, k)]
-        return out
-
-    return turns, prompt_of
-
-
-def longqa(args: argparse.Namespace, r: random.Random) -> tuple[list[Turn], Any]:
-    doc = [r.randrange(args.vocab) for _ in range(args.doc_len)]
-    turns, t = [], 0.0
-    for i in range(args.questions):
-        t += r.expovariate(args.rate) if args.rate > 0 else 0.0
-        turns.append(Turn(t, 0, i, doc + [r.randrange(args.vocab) for _ in range(args.turn_len)], args.output_len))
-    return turns, lambda turn, answers: turn.prompt
-
-
-class Clients:
-    """The workload as a :class:`~hicache.engine.RequestSource`, sent the way a multi-turn benchmark
-    client sends it: each client sends its turns in order, a turn at its scheduled time or, if later,
-    as soon as the client has the answer to its previous turn (closed loop: a conversation's next
-    prompt contains that answer), and never more than ``max_parallel`` requests are in flight (a turn
-    waits on the client side for one to finish). A request's arrival is when it is sent."""
-
-    def __init__(self, turns: list[Turn], prompt_of, max_parallel: int) -> None:
-        self.prompt_of = prompt_of
-        self.answers: dict[tuple[int, int], list[int]] = {}
-        self._later: dict[int, list[Turn]] = {}  # per client, its turns not yet ready, in order
-        for t in sorted(turns, key=lambda t: (t.client, t.round)):
-            self._later.setdefault(t.client, []).append(t)
-        self._ready: list[tuple[float, Turn]] = [(q[0].at, q.pop(0)) for q in self._later.values()]
-        self._free = [0.0] * max_parallel  # when each free in-flight place became free (a heap)
-        self._left = len(turns)
-
-    def poll(self, now: float) -> list[Request]:
-        out = []
-        self._ready.sort(key=lambda x: (x[0], x[1].client))
-        while self._free and self._ready and self._ready[0][0] <= now:
-            ready, turn = self._ready.pop(0)
-            at = max(ready, heapq.heappop(self._free))
-            out.append(Request(self.prompt_of(turn, self.answers), turn.new_tokens, at, (turn.client, turn.round)))
-        self._left -= len(out)
-        return out
-
-    def next_arrival(self) -> float | None:
-        if not self._free:
-            return None  # the next one is sent when a request in flight finishes
-        return min((at for at, _ in self._ready), default=None)
-
-    def exhausted(self) -> bool:
-        return self._left == 0
-
-    def finished(self, result: GenerationResult) -> None:
-        done = result.arrival_s + result.total_s
-        heapq.heappush(self._free, done)
-        self.answers[result.rid] = result.tokens
-        later = self._later.get(result.rid[0])
-        if later:
-            turn = later.pop(0)
-            self._ready.append((max(turn.at, done), turn))
-
-
-def longest_per_client(turns: list[Turn], prompt_of, output_len: int) -> dict[int, int]:
-    """Each client's longest request in tokens (prompt and answer), answers standing in as zeros."""
-    answers = {(q.client, q.round): [0] * output_len for q in turns}
-    longest: dict[int, int] = {}
-    for q in turns:
-        longest[q.client] = max(longest.get(q.client, 0), len(prompt_of(q, answers)) + output_len)
-    return longest
 
 
 def pctl(xs: list[float], p: float) -> float:
@@ -238,7 +142,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
         "prompt_tokens": prompt_tokens,
         "device_hit_tokens": sum(r["device_hit"] for r in rows),
         "host_hit_tokens": sum(r["host_hit"] for r in rows),
-        "storage_hit_tokens": storage_tokens,  # part of host_hit: brought from the store first
+        # Brought into the host pool from the store by prefetch: mostly counted again as host hits, but a
+        # page the host pool evicts again before its request is admitted is counted here only.
+        "storage_hit_tokens": storage_tokens,
         "computed_tokens": sum(r["computed"] for r in rows),
         "device_hit_rate": sum(r["device_hit"] for r in rows) / prompt_tokens,
         "host_hit_rate": sum(r["host_hit"] for r in rows) / prompt_tokens,
@@ -282,7 +188,7 @@ def cpu_ordering(results: list[dict]) -> dict[str, bool | None]:
     }  # fmt: skip
 
 
-def plot(path: str, results: list[dict]) -> None:
+def plot(path: str, results: list[dict], xlabel: str = "round") -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -294,13 +200,13 @@ def plot(path: str, results: list[dict]) -> None:
         a.plot([int(k) for k in rounds], [1e3 * r["ttft_p50_by_round_s"][k] for k in rounds], marker="o",
                label=r["mode"])  # fmt: skip
     a.set_xticks(sorted({int(k) for r in results for k in r["ttft_p50_by_round_s"]}))
-    a.set_xlabel("round")
+    a.set_xlabel(xlabel)
     a.set_ylabel("TTFT p50 (ms)")
     a.legend()
     names = [r["mode"] for r in results]
     dev = [r["device_hit_rate"] for r in results]
-    host = [r["host_hit_rate"] - r["storage_hit_rate"] for r in results]
-    sto = [r["storage_hit_rate"] for r in results]
+    sto = [min(r["storage_hit_rate"], r["host_hit_rate"]) for r in results]
+    host = [r["host_hit_rate"] - s for r, s in zip(results, sto, strict=True)]
     b.bar(names, dev, label="device")
     b.bar(names, host, bottom=dev, label="host")
     b.bar(names, sto, bottom=[x + y for x, y in zip(dev, host, strict=True)], label="storage")
@@ -310,7 +216,8 @@ def plot(path: str, results: list[dict]) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, ``--quick`` applied and every value checked (``SystemExit`` naming a bad one)."""
     p = argparse.ArgumentParser(prog="python -m hicache.bench_serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=["multiturn", "longqa"], default="multiturn")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -319,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-len", type=int, default=64)
     p.add_argument("--turn-len", type=int, default=24)
     p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--doc-len", type=int, default=512, help="longqa: the document's tokens")
-    p.add_argument("--questions", type=int, default=16, help="longqa: questions over the document")
+    p.add_argument("--docs", type=int, default=10, help="longqa: the documents")
+    p.add_argument("--doc-len", type=int, default=1024, help="longqa: each document's tokens")
+    p.add_argument("--questions", type=int, default=40, help="longqa: questions in all, interleaved over the documents")
     p.add_argument("--rate", type=float, default=0.0, help="requests per second, Poisson (0: all at once)")
     p.add_argument("--max-parallel", type=int, default=4,
                    help="the most requests in flight (a client's turn waits for one to finish)")  # fmt: skip
@@ -329,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: --max-parallel)")  # fmt: skip
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="the most prompt tokens prefilled in one step (default: no limit)")  # fmt: skip
-    p.add_argument("--device-fraction", type=float, default=0.25, help="device pool / working set")
-    p.add_argument("--host-ratio", type=float, default=4.0, help="host pool / device pool")
+    p.add_argument("--device-fraction", type=float, default=0.25,
+                   help="device pool / working set (longqa: / the documents' KV)")  # fmt: skip
+    p.add_argument("--host-ratio", type=float, default=None,
+                   help="host pool / device pool (default: room for the working set, at least 4)")  # fmt: skip
     p.add_argument("--storage-host-ratio", type=float, default=2.0, help="host pool / device pool, storage mode")
     p.add_argument("--page-size", type=int, default=4)
     p.add_argument("--layout", default="page_first")
@@ -357,11 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.clients, a.rounds, a.system_len, a.turn_len, a.output_len = 8, 4, 32, 12, 4
-        a.doc_len, a.questions = min(a.doc_len, 192), min(a.questions, 8)
+        a.docs, a.doc_len, a.questions = min(a.docs, 10), min(a.doc_len, 128), min(a.questions, 20)
         a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim = 2, 32, 4, 2, 8
     if a.progress is None:
         a.progress = sys.stderr.isatty()
-    for name in ("clients", "rounds", "output_len", "page_size", "questions", "max_parallel"):
+    for name in ("clients", "rounds", "output_len", "page_size", "docs", "doc_len", "questions", "max_parallel"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1")
     if not 0 < a.device_fraction <= 1:
@@ -374,6 +284,47 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-running: expected >= 1")
     if a.max_prefill_tokens is not None and a.max_prefill_tokens < 1:
         p.error("--max-prefill-tokens: expected >= 1")
+    if a.host_ratio is not None and a.host_ratio <= 0:
+        p.error("--host-ratio: expected > 0")
+    return a
+
+
+@dataclasses.dataclass
+class PoolSizes:
+    """What the pools are sized from and to, in tokens (KV slots)."""
+
+    working_set: int  # KV the whole stream would keep
+    documents_kv: int | None  # longqa: the documents' KV, each once (None: multiturn)
+    device_slots: int
+    host_ratio: float  # host pool / device pool, outside the storage mode
+
+    @property
+    def sized_from(self) -> int:
+        return self.working_set if self.documents_kv is None else self.documents_kv
+
+
+def pool_sizes(a: argparse.Namespace, turns: list[Turn], prompt_of) -> PoolSizes:
+    """The working set: multi-turn, each client's longest request (the shared system prompt counted per
+    client); long-context QA, each document once, then each question and its answer. The device pool is
+    ``--device-fraction`` of it, for long-context QA of the documents alone (what the host tier is there
+    to keep), in whole pages, but at least room for two of the largest requests (fewer run at once when
+    the pool is full: they wait). The host pool: ``--host-ratio``, by default room for the working set
+    and at least 4 device pools."""
+    per_client = longest_per_client(turns, prompt_of, a.output_len)
+    docs_kv = a.docs * a.doc_len if a.workload == "longqa" else None
+    if docs_kv is not None:
+        ws = docs_kv + a.questions * (a.turn_len + a.output_len)
+    else:
+        ws = sum(per_client.values())
+    ps = a.page_size
+    floor = -(-2 * max(per_client.values()) // ps) * ps
+    slots = max(int((docs_kv or ws) * a.device_fraction) // ps * ps, floor)
+    host_ratio = a.host_ratio if a.host_ratio is not None else max(4.0, float(-(-ws // slots)))
+    return PoolSizes(ws, docs_kv, slots, host_ratio)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         print(f"bench_serving: --device {a.device}: no CUDA device is visible here (torch {torch.__version__}); "
               "nothing measured", file=sys.stderr)  # fmt: skip
@@ -385,19 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                       head_dim=a.head_dim, ffn=a.ffn or 2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
                       dtype=getattr(torch, a.dtype))  # fmt: skip
     model = TinyLM(cfg, a.device)
-    per_client = longest_per_client(turns, prompt_of, a.output_len)
-    longest = max(per_client.values())
-    # The working set: KV the whole stream would keep. Multi-turn: each client's longest request (the
-    # shared system prompt counted per client); long-context QA: the document once, then each question
-    # and its answer.
-    if a.workload == "longqa":
-        ws = a.doc_len + a.questions * (a.turn_len + a.output_len)
-    else:
-        ws = sum(per_client.values())
-    ps = a.page_size
-    # At least room for two of the largest requests (fewer run at once when the pool is full: they wait).
-    slots = max(int(ws * a.device_fraction), 2 * longest)
-    slots = -(-slots // ps) * ps
+    longest = max(longest_per_client(turns, prompt_of, a.output_len).values())
+    sizes = pool_sizes(a, turns, prompt_of)
+    a.host_ratio = sizes.host_ratio
+    ws, docs_kv, slots, ps = sizes.working_set, sizes.documents_kv, sizes.device_slots, a.page_size
     results = []
     # Warm-up, untimed: the first forwards pay one-time costs (GPU kernels loaded, GEMM plans chosen)
     # that would otherwise land on the first mode's first requests.
@@ -407,14 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode in a.modes:
             results.append(run_mode(mode, a, model, turns, prompt_of, slots, Path(tmp) / "store"))
     print(f"{a.workload}: {len(turns)} requests, working set ~{ws} tokens, device pool {slots} slots "
-          f"({slots / ws:.2f} of it), page {ps}, {cfg.num_layers} layers")  # fmt: skip
+          f"({slots / ws:.2f} of it), host pool {a.host_ratio:g}x, page {ps}, {cfg.num_layers} layers")  # fmt: skip
+    if docs_kv is not None:
+        print(f"longqa: {a.docs} documents of {a.doc_len} tokens, {a.questions} questions interleaved; the "
+              f"documents' KV is {docs_kv / slots:.2f}x the device pool")  # fmt: skip
     for x in results:
         print(f"{x['mode']:>12}: TTFT p50 {1e3 * x['ttft_p50_s']:8.2f} ms  p90 {1e3 * x['ttft_p90_s']:8.2f}  "
               f"p99 {1e3 * x['ttft_p99_s']:8.2f}  | {x['throughput_tokens_per_s']:7.1f} tok/s  | hit: device "
               f"{x['device_hit_rate']:.2f} host {x['host_hit_rate']:.2f} (storage {x['storage_hit_rate']:.2f})  "
               f"loaded {x['tokens_loaded']} tokens, waited {1e3 * x['load_wait_s']:.1f} ms")  # fmt: skip
-    # The pool's real share of the working set (its floor of two requests can make it larger).
-    target = serving_target(results, slots / ws, torch.device(a.device).type == "cuda")
+    # The pool's real share of what it was sized from (its floor of two requests can make it larger).
+    target = serving_target(results, slots / sizes.sized_from, torch.device(a.device).type == "cuda")
     order = cpu_ordering(results)
     if target["measured"] is not None:
         print(f"target: {target['target']}: {target['measured']:.3f} (<= {TARGET_RATIO}): {target['status']}"
@@ -428,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(a).items() if k not in ("json", "plot")},
         "working_set_tokens": ws,
         "device_slots": slots,
+        "documents_kv_tokens": docs_kv,  # longqa only (None otherwise)
+        "documents_kv_over_device_pool": None if docs_kv is None else docs_kv / slots,
         "model": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in dataclasses.asdict(cfg).items()},
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -438,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {a.json}")
     if a.plot:
-        plot(a.plot, results)
+        plot(a.plot, results, "round" if a.workload == "multiturn" else "question on its document")
         print(f"wrote {a.plot}")
     return 0
 
