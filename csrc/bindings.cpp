@@ -350,7 +350,7 @@ class PyRadixTree {
     py::object cached = py::none();
     if (out.status != hicache::InsertStatus::kOk) cached = to_array(out.cached);
     return py::make_tuple(static_cast<int>(out.status), out.dup, cached, splits_list(out.splits),
-                          py::cast(out.backups), out.new_node);
+                          py::cast(out.backups), out.new_node, py::cast(out.revived));
   }
 
   py::object slots(int64_t id) const {
@@ -540,7 +540,7 @@ void bind_radix_tree(py::module_& m) {
            "(device_slots, device_len, host_len, last_device, last_host, splits, backups)")
       .def("insert", &PyRadixTree::insert, py::arg("tokens"), py::arg("slots"), py::arg("priority"),
            py::arg("touch"), py::arg("threshold"), py::arg("checked"),
-           "(status, dup, cached, splits, backups, new_node); status 1: the slots need the full "
+           "(status, dup, cached, splits, backups, new_node, revived); status 1: the slots need the full "
            "check "
            "(nothing changed; cached = the tree's slots of the first dup tokens)")
       .def("slots", &PyRadixTree::slots, py::arg("id"))

@@ -417,6 +417,7 @@ void RadixTree::insert(const int64_t* key, const int64_t* s, int64_t n, int64_t 
       x.slots.assign(s + pos, s + pos + len);
       x.has_value = true;
       take(s + pos, len);
+      out->revived.push_back(x.id);
     }
     if (priority > x.priority) x.priority = priority;
     x.last_access = ++clock_;

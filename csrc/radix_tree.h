@@ -46,6 +46,7 @@ struct InsertOut {
   std::vector<Split> splits;
   std::vector<int64_t> backups;  // ids to back up, in order (selective hits, then the new node)
   int64_t new_node = -1;
+  std::vector<int64_t> revived;  // host-only nodes on the path that got the caller's device slots
 };
 
 // Write policies as the insert/match hot path sees them.

@@ -140,4 +140,7 @@ class CopyAcks:
                     self._drop_device(d)
             self._slots.free(x.value)  # it has its host copy (the load's source)
             x.value = None
+            self._lost_child(x.parent)
+            if self._host_candidates is not None:
+                self._host_candidates.push(x)
             del self._lost[x.id]

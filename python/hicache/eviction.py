@@ -4,8 +4,9 @@ Locked nodes stay in both tiers; host-pinned ones (a storage backup reading them
 
 from __future__ import annotations
 
-import heapq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .candidates import Candidates
 
 if TYPE_CHECKING:
     from .radix_cache import HiRadixCache
@@ -29,16 +30,21 @@ class Eviction:
                 self.metrics.host_evicted_tokens += x.num_tokens
             x.value = x.host_value = None
             self._node_keys.pop(x.id, None)
+        parent = node.parent
         if self._tree is not None:
             self._tree.remove(node)
         else:
-            del node.parent.children[node.key[: self.page_size]]
+            del parent.children[node.key[: self.page_size]]
+        self._lost_child(parent)
 
     def _drop_device(self: HiRadixCache, node: TreeNode) -> None:
         """``node`` loses its device copy: host-only when backed up, else deleted (with its subtree)."""
         if node.host_value is not None:
             self._slots.free(node.value)
             node.value = None
+            self._lost_child(node.parent)
+            if self._host_candidates is not None:
+                self._host_candidates.push(node)  # host-only now: a host leaf, if childless
         else:
             self._delete(node)
 
@@ -50,32 +56,20 @@ class Eviction:
         :class:`CopyError` when a backup failed (nothing is evicted then).
         """
         self._check_open("evict")
-        if self._tree is not None:
-            leaves = [self._tree.node(i) for i in self._tree.core.leaves(0)]
-        else:
-            leaves = [n for n in self._nodes() if self._is_device_leaf(n)]
-        heap = [(self.policy.key(n), n.id, n) for n in leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
-        chosen: list[TreeNode] = []
-        chosen_ids: set[int] = set()
-        planned = 0
-        while planned < num_tokens and heap:
-            _, _, x = heapq.heappop(heap)
-            chosen.append(x)
-            chosen_ids.add(x.id)
-            planned += len(x.value)
-            parent = x.parent
-            if parent is not self.root and parent.lock_ref == 0 and not parent.evicted:
-                if all(c.evicted or c.id in chosen_ids for c in self._child_nodes(parent)):
-                    heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
+        chosen = self._pick_device(num_tokens)
         if self.write_policy == "write_back":
             pending = [x for x in chosen if x.host_value is None]
             if pending:
-                self._backup_many(pending)  # one copy op for all of them
-                # Write-back: the host copy must exist before the device copy goes (the storage backups
-                # these host copies start are not waited for).
-                self.controller.flush()
-                self._take_acks()
+                try:
+                    self._backup_many(pending)  # one copy op for all of them
+                    # Write-back: the host copy must exist before the device copy goes (the storage backups
+                    # these host copies start are not waited for).
+                    self.controller.flush()
+                    self._take_acks()
+                except BaseException:  # nothing is evicted: the picked nodes are candidates again
+                    if self._device_candidates is not None:
+                        self._device_candidates.push_all(chosen)
+                    raise
                 chosen = [x for x in chosen if x.value is not None]  # acks may have released lost subtrees
         freed = 0
         # Children before parents: a parent is only evictable once its device children are gone.
@@ -85,25 +79,53 @@ class Eviction:
         self.metrics.device_evicted_tokens += freed
         return freed
 
+    def _pick_device(self: HiRadixCache, num_tokens: int) -> list[TreeNode]:
+        """Device leaves worth at least ``num_tokens`` (fewer if there are not), least valuable first;
+        a parent whose last device child is picked becomes a candidate in the same call."""
+        chosen: list[TreeNode] = []
+        planned = 0
+        cands = self._device_candidates
+        if cands is None:  # a policy that cannot be kept ordered: sort the leaves (a walk)
+            if self._tree is not None:
+                leaves = [self._tree.node(i) for i in self._tree.core.leaves(0)]
+            else:
+                leaves = [n for n in self._nodes() if self._is_device_leaf(n)]
+            cands = Candidates(self.policy.key, self._is_device_candidate)
+            cands.push_all(leaves)
+        self._chosen = picked = set()
+        try:
+            while planned < num_tokens:
+                x = cands.pop()
+                if x is None:
+                    break
+                chosen.append(x)
+                picked.add(x.id)
+                planned += x.num_tokens
+                if x.parent is not self.root:
+                    cands.push(x.parent)
+        finally:
+            self._chosen = set()
+        return chosen
+
     def evict_host(self: HiRadixCache, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host slots if possible by deleting host-only leaves."""
         self._check_open("evict_host")
-        if self._tree is not None:
-            leaves = [self._tree.node(i) for i in self._tree.core.leaves(1)]
-        else:
-            leaves = [n for n in self._nodes() if n.evicted and not n.children]
-
-        def evictable(n: Any) -> bool:  # unlocked, and no storage backup reading its host copy
-            return n.lock_ref == 0 and not self._host_pinned(n)
-
-        heap = [(self.policy.key(n), n.id, n) for n in leaves if evictable(n)]
-        heapq.heapify(heap)
+        cands = self._host_candidates
+        if cands is None:  # a policy that cannot be kept ordered: sort the leaves (a walk)
+            if self._tree is not None:
+                leaves = [self._tree.node(i) for i in self._tree.core.leaves(1)]
+            else:
+                leaves = [n for n in self._nodes() if n.evicted and not n.children]
+            cands = Candidates(self.policy.key, self._is_host_candidate)
+            cands.push_all(leaves)
         freed = 0
-        while freed < num_tokens and heap:
-            _, _, x = heapq.heappop(heap)
+        while freed < num_tokens:
+            x = cands.pop()
+            if x is None:
+                break
             parent = x.parent
             freed += len(x.host_value)
             self._delete(x)
-            if parent is not self.root and parent.evicted and not self._child_nodes(parent) and evictable(parent):
-                heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
+            if parent is not self.root:
+                cands.push(parent)  # childless now, perhaps
         return freed

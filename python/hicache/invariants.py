@@ -154,3 +154,28 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
     for x in cache._lost.values():
         if not is_attached(root, x, ps) or x.value is None or x.host_value is None or x.lock_ref <= 0:
             _fail(f"lost node {x} must be in the tree, on the device and the host, and locked")
+
+
+def check_kept(cache: HiRadixCache) -> None:
+    """What the cache keeps as nodes change instead of walking the tree equals the walk: the protected
+    and evictable device tokens, the tree's device tokens, and every eviction candidate of each tier is
+    queued (:mod:`hicache.candidates`)."""
+    nodes = list(cache._nodes())
+    on_device = [n for n in nodes if not n.evicted]
+    protected = sum(n.num_tokens for n in on_device if n.lock_ref)
+    owned = sum(n.num_tokens for n in on_device)
+    if cache._slots.count != owned:
+        _fail(f"device tokens kept: {cache._slots.count}, the nodes hold {owned}")
+    if cache.protected_size() != protected:
+        _fail(f"protected_size kept: {cache.protected_size()}, the walk finds {protected}")
+    if cache.evictable_size() != owned - protected:
+        _fail(f"evictable_size kept: {cache.evictable_size()}, the walk finds {owned - protected}")
+    for tier, cands, is_candidate in (
+        ("device", cache._device_candidates, cache._is_device_candidate),
+        ("host", cache._host_candidates, cache._is_host_candidate),
+    ):
+        if cands is None:
+            continue
+        missing = [n.id for n in nodes if is_candidate(n) and n.id not in cands]
+        if missing:
+            _fail(f"{tier} eviction candidates {missing[:8]} are not queued: eviction would pass them over")

@@ -11,6 +11,11 @@ from typing import Any, Protocol
 
 
 class EvictionPolicy(Protocol):
+    """``key(node)``: smallest first. ``monotonic = True`` promises a node's key never decreases while
+    it lives (true of every built-in policy: access times, hit counts and priorities only grow), which
+    lets the cache keep its candidates ordered as nodes change (:mod:`hicache.candidates`); a policy
+    without it is served by sorting the candidates at each eviction (a walk of the tree)."""
+
     name: str
 
     def key(self, node: Any) -> tuple: ...
@@ -20,6 +25,7 @@ class LRU:
     """Least recently used first."""
 
     name = "lru"
+    monotonic = True
 
     def key(self, node: Any) -> tuple:
         return (node.last_access_time, node.id)
@@ -29,6 +35,7 @@ class LFU:
     """Fewest hits first; ties broken by age of last access."""
 
     name = "lfu"
+    monotonic = True
 
     def key(self, node: Any) -> tuple:
         return (node.hit_count, node.last_access_time, node.id)
@@ -39,6 +46,7 @@ class SLRU:
     before any protected node, each segment in LRU order."""
 
     name = "slru"
+    monotonic = True
 
     def __init__(self, protected_hits: int = 2) -> None:
         self.protected_hits = protected_hits
@@ -51,6 +59,7 @@ class FIFO:
     """Oldest inserted first."""
 
     name = "fifo"
+    monotonic = True
 
     def key(self, node: Any) -> tuple:
         return (node.creation_time, node.id)
@@ -60,6 +69,7 @@ class Priority:
     """Lowest ``node.priority`` first (set by the caller on insert), then LRU."""
 
     name = "priority"
+    monotonic = True
 
     def key(self, node: Any) -> tuple:
         return (node.priority, node.last_access_time, node.id)

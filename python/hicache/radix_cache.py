@@ -47,10 +47,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .candidates import Candidates
 from .controller import CacheMetrics, HiCacheController
 from .copy_acks import CopyAcks
 from .eviction import Eviction
-from .invariants import check_invariants
+from .invariants import check_invariants, check_kept
 from .policies import EvictionPolicy, get_policy
 from .pools import DeviceKVPool, HostKVPool
 from .slot_check import TreeDeviceSlots
@@ -167,6 +168,14 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         else:
             self.root = TreeNode(0, None, (), 0)
         self.root.lock_ref = 1  # never evicted
+        # Kept as nodes change, so that nothing on the request path walks the tree: device tokens in
+        # locked nodes (the tree's device tokens are self._slots.count), and each tier's eviction
+        # candidates in policy order (None for a policy that cannot be kept ordered: sorted per eviction).
+        self._protected = 0
+        self._chosen: set[int] = set()  # the nodes an eviction in progress has picked
+        ordered = getattr(self.policy, "monotonic", False) is True
+        self._device_candidates = Candidates(self.policy.key, self._is_device_candidate) if ordered else None
+        self._host_candidates = Candidates(self.policy.key, self._is_host_candidate) if ordered else None
         self._inflight_writes: dict[int, tuple[TreeNode, torch.Tensor]] = {}
         self._inflight_loads: dict[int, tuple[TreeNode, torch.Tensor, float]] = {}
         # Nodes whose load-back failed while others held them locked: device KV lost, dropped at the last unlock.
@@ -350,6 +359,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
             if node.value is None:
                 node.value = taken[pos - dup : pos - dup + n]
                 self._slots.take(node.value)
+                self._gained_device(node)
             if priority > node.priority:
                 node.priority = priority
             if touch is None:  # _touch, inlined
@@ -366,6 +376,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
             new.priority = priority
             node.children[new.key[: self.page_size]] = new
             new.hit_count = 1
+            self._gained_device(new)
             if self.write_policy == "write_through":
                 backups.append(new)
         if backups:
@@ -403,12 +414,17 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         if not s.flags.c_contiguous:
             s = np.ascontiguousarray(s)
         mode, threshold = self._touch_mode, self.write_through_threshold
-        status, dup, cached, splits, backups, _ = t.core.insert(src, s, priority, mode, threshold, False)
+        status, dup, cached, splits, backups, new, revived = t.core.insert(src, s, priority, mode, threshold, False)
         if status:  # not the usual slots: the full check names the fault, or accepts them
             self._slots.check_insert(s, dup, [torch.from_numpy(cached)])
-            status, dup, _, splits, backups, _ = t.core.insert(src, s, priority, mode, threshold, True)
+            status, dup, _, splits, backups, new, revived = t.core.insert(src, s, priority, mode, threshold, True)
+        self._slots.took(n - dup)
         if splits:
             self._after_splits(splits)
+        for node_id in revived:
+            self._gained_device(t.node(node_id))
+        if new >= 0:
+            self._gained_device(t.node(new))
         if backups:
             self._backup_many([t.node(i) for i in backups])
         return dup
@@ -440,6 +456,8 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (e.g. while a request uses the prefix)."""
         while node is not self.root:
+            if not node.lock_ref and not node.evicted:
+                self._protected += node.num_tokens
             node.lock_ref += 1
             node = node.parent
 
@@ -452,9 +470,55 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
             x = x.parent
         while node is not self.root:
             node.lock_ref -= 1
+            if not node.lock_ref:
+                self._unlocked(node)
             node = node.parent
         if self._lost:
             self._release_lost()
+
+    # ------------------------------------------------------------------ what eviction keeps (no walks)
+    def _is_device_candidate(self, node: Any) -> bool:
+        """Unlocked, on the device, and no child on the device (children an eviction in progress has
+        picked count as gone)."""
+        if node.lock_ref or node.evicted:
+            return False
+        chosen = self._chosen
+        return all(c.evicted or c.id in chosen for c in self._child_nodes(node))
+
+    def _is_host_candidate(self, node: Any) -> bool:
+        """Host-only, unlocked, childless, and no storage backup reading its host copy."""
+        return (
+            not node.lock_ref
+            and node.evicted
+            and node.host_value is not None
+            and not self._child_nodes(node)
+            and not self._host_pinned(node)
+        )
+
+    def _gained_device(self, node: Any) -> None:
+        """``node`` got device slots: protected tokens if it is locked, else maybe a device leaf."""
+        if node.lock_ref:
+            self._protected += node.num_tokens
+        elif self._device_candidates is not None:
+            self._device_candidates.push(node)
+
+    def _unlocked(self, node: Any) -> None:
+        """``node``'s last lock went: its tokens are evictable again, and it may be a candidate."""
+        if not node.evicted:
+            self._protected -= node.num_tokens
+            if self._device_candidates is not None:
+                self._device_candidates.push(node)
+        elif self._host_candidates is not None and node.host_value is not None:
+            self._host_candidates.push(node)
+
+    def _lost_child(self, parent: Any) -> None:
+        """A child of ``parent`` lost its device copy or left the tree: ``parent`` may be a leaf now."""
+        if parent is self.root:
+            return
+        if self._device_candidates is not None:
+            self._device_candidates.push(parent)
+        if self._host_candidates is not None:
+            self._host_candidates.push(parent)
 
     def flush(self) -> None:
         """Wait for every copy in flight and process the acks (:class:`CopyError` for failed ones)."""
@@ -553,6 +617,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
             self.metrics.load_backs_skipped += 1
             return None
         self._slots.take(device)
+        self._protected += total  # the path is locked (above) until the load's ack
         offset = 0
         for n, length in zip(path, lengths, strict=True):
             n.value = device[offset : offset + length]
@@ -568,12 +633,12 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
 
     # ------------------------------------------------------------------ state
     def evictable_size(self) -> int:
-        """Device tokens in unlocked nodes."""
-        return sum(n.num_tokens for n in self._nodes() if n.lock_ref == 0 and not n.evicted)
+        """Device tokens in unlocked nodes (kept as nodes change: no walk)."""
+        return self._slots.count - self._protected
 
     def protected_size(self) -> int:
-        """Device tokens in locked nodes."""
-        return sum(n.num_tokens for n in self._nodes() if n.lock_ref > 0 and not n.evicted)
+        """Device tokens in locked nodes (kept as nodes change: no walk)."""
+        return self._protected
 
     def verify(self, external_device: torch.Tensor | None = None) -> None:
         """Check every invariant of the module docstring; raises AssertionError naming the first broken.
@@ -583,6 +648,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         other callers fails this check.
         """
         check_invariants(self, external_device)
+        check_kept(self)
 
     def close(self, drain: bool = True, timeout: float = 60.0) -> None:
         """Stop the cache: afterwards no call changes the tree (they raise ``RuntimeError``).

@@ -33,6 +33,7 @@ class TreeDeviceSlots:
         self.pool = pool
         self.page_size = pool.page_size
         self.owned = np.zeros(pool.size, dtype=bool)
+        self.count = 0  # slots owned (kept with every take/free: the tree's device tokens, no walk)
         self._tree_nodes = nodes
         self._offsets = np.arange(pool.page_size, dtype=np.int64)
         self._scratch = np.empty(pool.size // pool.page_size, dtype=np.int64)
@@ -142,6 +143,11 @@ class TreeDeviceSlots:
     def take(self, slots: torch.Tensor) -> None:
         """The tree now owns ``slots`` (allocated, checked)."""
         self.owned[slots.numpy()] = True
+        self.count += len(slots)
+
+    def took(self, n: int) -> None:
+        """The compiled core took ``n`` slots itself (it writes ``owned`` in C++)."""
+        self.count += n
 
     def free(self, slots: torch.Tensor) -> None:
         """Return ``slots`` (owned by the tree) to the device pool: the tree lets go of them first, so the
@@ -153,6 +159,7 @@ class TreeDeviceSlots:
         except BaseException:
             self.owned[s] = True
             raise
+        self.count -= len(s)
 
     def describe(self, slots: np.ndarray) -> str:
         """The nodes that hold ``slots`` (tree-owned), for the pool's refusal: a walk of the tree, which only

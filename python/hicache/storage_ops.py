@@ -158,6 +158,8 @@ class StorageOps:
             self._host_pins[node.id] = left
         else:
             del self._host_pins[node.id]
+            if self._host_candidates is not None:
+                self._host_candidates.push(node)  # host eviction may take it again
 
     def check_storage(self: HiRadixCache) -> int:
         """Process finished storage backups (agreed across TP ranks): their nodes unlock. Returns how many.
@@ -329,6 +331,8 @@ class StorageOps:
             node = TreeNode(next(self._ids), parent, tuple(tokens), self._tick())
             parent.children[node.key[: self.page_size]] = node
         node.host_value = host
+        if self._host_candidates is not None:
+            self._host_candidates.push(node)
         return node
 
     def _free_host(self: HiRadixCache, slots: torch.Tensor) -> None:

@@ -1,0 +1,99 @@
+"""The counters and eviction candidates the cache keeps as nodes change (hicache.candidates), against
+the walk they replace: randomized operations on both tree cores and every eviction policy, the kept
+sizes equal to the walk's after every step, and each eviction picking the victims a full sort of the
+walk's candidates picks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hicache.candidates import Candidates
+from hicache.invariants import check_kept
+
+from test_cache_stress import Driver, build
+
+POLICIES = ["lru", "lfu", "slru", "fifo", "priority"]
+
+
+def walk_victims(cache, num_tokens: int) -> list[int]:
+    """The device victims of the walk-and-sort eviction (the cache's previous algorithm), without evicting."""
+    leaves = [n for n in cache._nodes() if cache._is_device_candidate(n)]
+    heap = Candidates(cache.policy.key, cache._is_device_candidate)
+    heap.push_all(leaves)
+    chosen, planned = [], 0
+    cache._chosen = picked = set()
+    try:
+        while planned < num_tokens:
+            x = heap.pop()
+            if x is None:
+                break
+            chosen.append(x.id)
+            picked.add(x.id)
+            planned += x.num_tokens
+            if x.parent is not cache.root:
+                heap.push(x.parent)
+    finally:
+        cache._chosen = set()
+    return chosen
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_kept_sizes_and_victims_equal_the_walk(each_tree_core, policy, write_policy):
+    cache = build(device_slots=48, page_size=2, write_policy=write_policy, eviction_policy=policy)
+    d = Driver(cache, seed=5, check_kv_every=8, max_pages=6)
+    r = random.Random(9)
+    for i in range(300):
+        d.run_random(1, seed=r.randrange(1 << 30))
+        check_kept(cache)
+        if i % 7 == 0:
+            want = r.randrange(1, 24)
+            expected = walk_victims(cache, want)
+            got = [x.id for x in cache._pick_device(want)]
+            assert got == expected
+            cache._device_candidates.push_all([n for n in cache._nodes() if n.id in set(got)])  # not evicted
+            check_kept(cache)
+    d.drain(sample=4)
+    check_kept(cache)
+    cache.close()
+
+
+def test_a_candidate_missed_by_the_kept_heap_fails_verify(each_tree_core):
+    cache = build(device_slots=32, page_size=1)
+    d = Driver(cache, seed=1, max_pages=4)
+    d.run_random(60, seed=2)
+    d.release_all()
+    cache.flush()
+    cands = [n for n in cache._nodes() if cache._is_device_candidate(n)]
+    assert cands
+    cache._device_candidates.rebuild([n for n in cache._nodes() if n is not cands[0]])  # one goes missing
+    with pytest.raises(AssertionError, match="device eviction candidates .* are not queued"):
+        cache.verify()
+    cache._protected += 1
+    cache._device_candidates.rebuild(cache._nodes())
+    with pytest.raises(AssertionError, match="protected_size kept"):
+        cache.verify()
+    cache._protected -= 1
+    cache.verify()
+    cache.close()
+
+
+class Unordered:
+    """A custom policy without ``monotonic``: served by sorting the candidates at each eviction."""
+
+    name = "custom"
+
+    def key(self, node):
+        return (-node.hit_count, node.id)
+
+
+def test_a_custom_policy_takes_the_sorting_path(each_tree_core):
+    cache = build(device_slots=32, page_size=1, eviction_policy=Unordered())
+    assert cache._device_candidates is None and cache._host_candidates is None
+    d = Driver(cache, seed=3, max_pages=4)
+    d.run_random(200, seed=4)
+    d.drain(sample=4)
+    check_kept(cache)
+    cache.close()
