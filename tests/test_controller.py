@@ -595,3 +595,28 @@ def test_selective_backups_of_one_match_go_in_one_copy(monkeypatch):
     c.verify()
     assert all(n.host_value is not None for n in path)
     c.close()
+
+
+def test_copies_are_issued_from_the_callers_thread_on_a_gpu_and_on_workers_for_cpu_pools():
+    dev, host = pools()
+    cpu = HiCacheController(dev, host, io_backend="direct")
+    assert cpu.threaded and cpu.side_threads and len(cpu._threads) == 2
+    cpu.close()
+    inline = HiCacheController(dev, host, io_backend="direct", threaded=False)
+    assert not inline.threaded and not inline.side_threads and inline._threads == []
+    inline.close()
+
+
+@pytest.mark.gpu
+def test_a_gpu_controller_issues_from_the_callers_thread_by_default():
+    dev = DeviceKVPool(num_slots=64, num_layers=2, head_num=2, head_dim=8, dtype=torch.float16, device="cuda")
+    host = HostKVPool(dev, layout="page_first", ratio=2.0)
+    ctrl = HiCacheController(dev, host, io_backend="kernel")
+    assert not ctrl.threaded and ctrl.side_threads and ctrl._threads == []
+    slots = dev.alloc(8)
+    dev.k[:, slots] = torch.randn(2, 8, 2, 8, dtype=torch.float16, device="cuda")
+    hs = ctrl.write(slots, node_id=1)  # launched on the write stream from this thread; acked by its event
+    ctrl.flush()
+    assert ctrl.finished_writes() == [(1, None)]
+    assert torch.equal(host.buffer[0][hs], dev.k[:, slots].transpose(0, 1).cpu())
+    ctrl.close()

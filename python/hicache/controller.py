@@ -245,9 +245,11 @@ class HiCacheController:
     write_policy : ``write_through``, ``write_through_selective`` or ``write_back`` (used by the tree).
     tp_group : a gloo ``torch.distributed`` process group whose ranks must take identical decisions,
         or None (an NCCL group is refused: the agreements reduce CPU tensors).
-    threaded : issue copies on worker threads (default). ``False`` issues each copy when queued (a
-        run is then deterministic: tests, debugging); a failed copy is acknowledged with its error, as
-        on a worker.
+    threaded : issue copies on worker threads. ``False`` issues each copy from the calling (scheduler)
+        thread when it is queued: on a GPU that is only launches on the controller's streams, which
+        return at once (the acks come from their events), so it is the default there (None); CPU pools
+        copy on the CPU, so they default to worker threads. ``False`` on CPU makes a run deterministic
+        (tests, debugging); a failed copy is acknowledged with its error, as on a worker.
     layer_wise : load layer by layer, ticking :attr:`layer_counter` (default); else all layers at once.
     device_model : a :class:`~hicache.deferred.DeferredDevice` to run CPU pools under (copies complete
         later than they are issued); None: :class:`~hicache.streams.CudaDevice` for GPU pools,
@@ -263,7 +265,7 @@ class HiCacheController:
         io_backend: str = "auto",
         write_policy: str = "write_through",
         tp_group: Any = None,
-        threaded: bool = True,
+        threaded: bool | None = None,
         layer_wise: bool = True,
         device_model: Any = None,
     ) -> None:
@@ -293,7 +295,9 @@ class HiCacheController:
                                  layout=host_pool.layout, page_size=host_pool.page_size)  # fmt: skip
         self.write_policy = write_policy
         self.tp_group = tp_group
-        self.threaded = threaded
+        self.threaded = (not on_gpu) if threaded is None else bool(threaded)
+        # CPU-bound side work (the storage tier's I/O) stays on threads unless threaded=False was asked for.
+        self.side_threads = threaded is not False
         self.layer_wise = layer_wise
         self.on_gpu = on_gpu
         self.metrics = CacheMetrics(host_pinned_bytes=int(getattr(host_pool, "pinned_bytes", 0)))
@@ -313,7 +317,7 @@ class HiCacheController:
         self._load_stream = self.device.new_stream("load")
         self._threads: list[threading.Thread] = []
         self._finalizer: weakref.finalize | None = None
-        if threaded:
+        if self.threaded:
             # The threads get their queue and a weak reference only; the finalizer holds the queues only.
             me = weakref.ref(self)
             self._finalizer = weakref.finalize(self, _stop_workers, self._write_queue, self._load_queue)

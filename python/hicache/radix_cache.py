@@ -94,7 +94,8 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
     controller : the :class:`~hicache.controller.HiCacheController` to use; built from the keyword
         arguments below when None (and then closed by :meth:`close`).
     io_backend, write_policy, tp_group, threaded, device_model : passed to the controller it builds
-        (``threaded`` also decides whether the storage tier reads and writes on its own threads or inline;
+        (``threaded``, default None: copies issued from the caller's thread on a GPU, on worker threads
+        for CPU pools; ``False`` also makes the storage tier read and write inline, else on its threads;
         ``device_model``: a :class:`~hicache.deferred.DeferredDevice` for CPU pools, see
         :class:`~hicache.controller.HiCacheController`).
     eviction_policy : ``lru`` (default), ``lfu``, ``slru``, ``fifo``, ``priority`` or an object with
@@ -123,7 +124,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         io_backend: str = "auto",
         write_policy: str = "write_through",
         tp_group: Any = None,
-        threaded: bool = True,
+        threaded: bool | None = None,
         eviction_policy: str | EvictionPolicy = "lru",
         load_back_threshold: int = 10,
         write_through_threshold: int = 2,
@@ -147,6 +148,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._owns_controller = controller is None
+        self._storage_threads = threaded is not False
         self.controller = controller or HiCacheController(
             device_pool, host_pool, io_backend=io_backend, write_policy=write_policy, tp_group=tp_group,
             threaded=threaded, device_model=device_model,

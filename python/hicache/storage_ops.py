@@ -77,7 +77,12 @@ class StorageOps:
             tp = {"tp_rank": dist.get_rank(group), "tp_size": dist.get_world_size(group)}
         namespace = Namespace.for_pool(self.host_pool, model_id, salt=storage_salt, **tp)
         self._storage = StorageTier(
-            backend, self.host_pool, namespace, self.controller.agree_min, policy, threaded=self.controller.threaded
+            backend,
+            self.host_pool,
+            namespace,
+            self.controller.agree_min,
+            policy,
+            threaded=self._storage_threads and self.controller.side_threads,
         )
 
     @property
