@@ -620,3 +620,30 @@ def test_a_gpu_controller_issues_from_the_callers_thread_by_default():
     assert ctrl.finished_writes() == [(1, None)]
     assert torch.equal(host.buffer[0][hs], dev.k[:, slots].transpose(0, 1).cpu())
     ctrl.close()
+
+
+def test_a_step_agrees_all_its_acks_in_one_collective(tmp_path, monkeypatch):
+    """With a TP group, ``check_acks`` takes the step's landed backups and load-backs with ONE all-reduce
+    (counts and failure flags together), where ``check_writes`` + ``check_loads`` take one each."""
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        c = make_cache(device_slots=32, tp_group=dist.group.WORLD)
+        toks = list(range(16))
+        prefill(c, toks)
+        c.flush()
+        c.evict(32)
+        c.load_back(c.match_prefix(toks).last_host_node)
+        c.start_loading()
+        prefill(c, list(range(100, 108)))  # a backup in flight beside the load
+        c.controller.flush()  # both landed, neither taken
+        calls = []
+        real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1])
+        assert c.check_acks() == 2
+        assert len(calls) == 1
+        c.verify()
+        monkeypatch.undo()
+        c.close()
+    finally:
+        dist.destroy_process_group()

@@ -527,32 +527,68 @@ class HiCacheController:
             n += 1
         return n
 
-    def _finished(self, q: queue.Queue, kind: str) -> list[tuple[int, BaseException | None]]:
-        # Works after close too: the owner must still take the acks of drained and dropped copies.
-        seen = self._landed(kind, q)
-        n = self.agree_min(self._count_landed(seen))
-        acks = seen[:n]
-        del seen[:n]
-        flags = [int(a.error is not None) for a in acks]
-        if n and self.tp_group is not None:
-            # A copy that failed on any rank counts as failed on every rank (MAX of the failure flags):
-            # each rolls it back, and the trees stay alike.
-            failed = torch.tensor(flags, dtype=torch.int64)
-            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
-            flags = failed.tolist()
-        out: list[tuple[int, BaseException | None]] = []
-        outstanding = self._outstanding[kind]
-        for ack, flag in zip(acks, flags, strict=True):
-            error = ack.error
-            if error is None and flag:
-                error = CopyFailedOnPeer(f"a {kind} failed on another TP rank; rolled back here too")
-            self._account(ack)
-            for node_id in ack.node_ids:
-                out.append((node_id, error))
-                outstanding[node_id] -= 1
-                if outstanding[node_id] <= 0:
-                    del outstanding[node_id]
+    # At most this many acks of a kind are agreed per check (one fixed-size collective); more wait for
+    # the next check.
+    ACK_WINDOW = 64
+
+    def _agree_landed(self, kinds: tuple[str, ...]) -> dict[str, tuple[int, list[int]]]:
+        """Per kind, how many leading acks landed on every rank and, for each, whether it failed on any
+        rank: ONE collective for all ``kinds`` (a MIN over ``[count, ok flags...]`` per kind; a flag is 1
+        where the copy completed, so the MIN says whether every rank's did)."""
+        seens = {kind: self._landed(kind, q) for kind, q in self._ack_queues(kinds)}
+        local = {kind: self._count_landed(seen) for kind, seen in seens.items()}
+        if self.tp_group is None:
+            return {k: (n, [int(a.error is not None) for a in seens[k][:n]]) for k, n in local.items()}
+        w = self.ACK_WINDOW
+        v = torch.ones(len(kinds) * (w + 1), dtype=torch.int64)
+        for j, kind in enumerate(kinds):
+            n = min(local[kind], w)
+            v[j * (w + 1)] = n
+            for i, ack in enumerate(seens[kind][:n]):
+                v[j * (w + 1) + 1 + i] = int(ack.error is None)
+        torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        out = {}
+        for j, kind in enumerate(kinds):
+            base = j * (w + 1)
+            n = int(v[base])
+            out[kind] = (n, [1 - int(x) for x in v[base + 1 : base + 1 + n].tolist()])
         return out
+
+    def _ack_queues(self, kinds: tuple[str, ...]) -> list[tuple[str, queue.Queue]]:
+        for kind in kinds:
+            if kind not in ("write", "load"):
+                raise ValueError(f"kinds: expected 'write' and/or 'load', got {kind!r}")
+        return [(k, self.ack_write_queue if k == "write" else self.ack_load_queue) for k in kinds]
+
+    def finished(self, kinds: tuple[str, ...] = ("write", "load")) -> dict[str, list[tuple[int, BaseException | None]]]:
+        """The copies of ``kinds`` that landed on every rank, per kind in submission order, agreed in ONE
+        collective (at most :attr:`ACK_WINDOW` per kind and call): ``(node_id, None)`` for a completed
+        copy, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`), or that
+        completed here but failed on another rank (:class:`CopyFailedOnPeer`: every rank rolls it back,
+        so the trees stay alike). Backups' host slots are still WRITING: the caller marks them synced,
+        or aborts them. Works after close too: the owner must still take the acks of drained and dropped
+        copies."""
+        agreed = self._agree_landed(kinds)
+        result: dict[str, list[tuple[int, BaseException | None]]] = {}
+        for kind in kinds:
+            n, flags = agreed[kind]
+            seen = self._acks_seen[kind]
+            acks = seen[:n]
+            del seen[:n]
+            out: list[tuple[int, BaseException | None]] = []
+            outstanding = self._outstanding[kind]
+            for ack, flag in zip(acks, flags, strict=True):
+                error = ack.error
+                if error is None and flag:
+                    error = CopyFailedOnPeer(f"a {kind} failed on another TP rank; rolled back here too")
+                self._account(ack)
+                for node_id in ack.node_ids:
+                    out.append((node_id, error))
+                    outstanding[node_id] -= 1
+                    if outstanding[node_id] <= 0:
+                        del outstanding[node_id]
+            result[kind] = out
+        return result
 
     def _account(self, ack: _Ack) -> None:
         """A landed copy: release its load batch, count its bytes and time."""
@@ -595,11 +631,11 @@ class HiCacheController:
         """Backups finished on every rank (agreed count), in submission order: ``(node_id, None)`` for a
         completed one, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`).
         Their host slots are still WRITING: the caller marks them synced, or aborts them."""
-        return self._finished(self.ack_write_queue, "write")
+        return self.finished(("write",))["write"]
 
     def finished_loads(self) -> list[tuple[int, BaseException | None]]:
         """Load-backs finished on every rank, in submission order, as :meth:`finished_writes`."""
-        return self._finished(self.ack_load_queue, "load")
+        return self.finished(("load",))["load"]
 
     def flush(self) -> None:
         """Start the queued load-backs and wait until every queued copy has run (acks still need

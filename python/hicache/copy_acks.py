@@ -70,8 +70,8 @@ class CopyAcks:
                 m.loads_failed += 1
             failures.append((kind, node.id, error))
 
-    def _take_writes(self: HiRadixCache, failures: list) -> int:
-        done = self.controller.finished_writes()
+    def _take_writes(self: HiRadixCache, failures: list, done: list | None = None) -> int:
+        done = self.controller.finished_writes() if done is None else done
         for node_id, error in done:
             node, host = self._inflight_writes.pop(node_id)
             if error is None:
@@ -86,8 +86,8 @@ class CopyAcks:
             self.dec_lock_ref(node)
         return len(done)
 
-    def _take_loads(self: HiRadixCache, failures: list) -> int:
-        done = self.controller.finished_loads()
+    def _take_loads(self: HiRadixCache, failures: list, done: list | None = None) -> int:
+        done = self.controller.finished_loads() if done is None else done
         for node_id, error in done:
             node, host, t0 = self._inflight_loads.pop(node_id)
             self.host_pool.mark_synced(host)  # a failed load only read them: the host copy stays valid
@@ -122,12 +122,20 @@ class CopyAcks:
         self._raise(failures)
         return n
 
-    def _take_acks(self: HiRadixCache) -> None:
+    def check_acks(self: HiRadixCache) -> int:
+        """Process the finished backups and load-backs of this step together, agreed across TP ranks in
+        one collective (:meth:`check_writes` and :meth:`check_loads` take one each), then the storage
+        backups. Returns how many copies were processed; raises :class:`CopyError` after rolling back
+        failed ones. What a scheduler calls once per step."""
         failures: list = []
-        self._take_writes(failures)
-        self._take_loads(failures)
+        done = self.controller.finished()
+        n = self._take_writes(failures, done["write"]) + self._take_loads(failures, done["load"])
         self._take_storage()
         self._raise(failures)
+        return n
+
+    def _take_acks(self: HiRadixCache) -> None:
+        self.check_acks()
 
     def _release_lost(self: HiRadixCache) -> None:
         """Drop the device copies of lost nodes nobody holds any more, and everything device-resident
