@@ -647,3 +647,18 @@ def test_a_step_agrees_all_its_acks_in_one_collective(tmp_path, monkeypatch):
         c.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_an_iobackend_object_is_accepted_and_anything_else_refused():
+    from hicache_kernels.bench import NoopBackend
+
+    dev, host = pools()
+    noop = NoopBackend()
+    ctrl = HiCacheController(dev, host, io_backend=noop, threaded=False)
+    assert ctrl.backend is noop and ctrl.io_backend == "noop"
+    ctrl.write(dev.alloc(4), node_id=1)
+    ctrl.flush()
+    assert noop.issued == 1 and ctrl.finished_writes() == [(1, None)]
+    ctrl.close()
+    with pytest.raises(ValueError, match="io_backend: expected one of .* or an IOBackend"):
+        HiCacheController(dev, host, io_backend=object())

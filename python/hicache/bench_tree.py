@@ -20,6 +20,13 @@ seeded interleaving that keeps each chat's turns in order.
 Also timed: the slot bookkeeping one request's copies cost in the host pool (alloc, the backup's and
 the load-back's state changes, free) for ``--slot-sizes`` slots.
 
+``--compare sglang-latest`` adds SGLang 0.5.23's ``UnifiedRadixCache`` on its Rust core to the same
+comparison, run in a child process on the same requests (:mod:`hicache.bench_sglang`: how to provide it,
+and why a child); when it cannot run, the printout and the JSON say why.
+
+``--scale`` runs the scale benchmark instead (:mod:`hicache.bench_scale`): the engine's per-request calls
+with the device pool full, at several tree sizes (``--scale-sizes``, ``--requests``, ``--quick``).
+
 Run ``python -m hicache.bench_tree [--json PATH]``; ``--help`` lists the knobs.
 """
 
@@ -28,7 +35,9 @@ from __future__ import annotations
 import argparse
 import array
 import gc
+import hashlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -40,6 +49,7 @@ from typing import Any
 
 import torch
 
+from . import bench_scale, bench_sglang
 from .pools import DeviceKVPool, HostKVPool
 from .radix_cache import HiRadixCache
 from .tree_core import TREE_CORES, choose_core
@@ -94,7 +104,7 @@ def _hicache_runner(page_size: int, total_tokens: int, core: str = "auto") -> Ca
         slots = (total_tokens // page_size + 1) * page_size
         dev = DeviceKVPool(num_slots=slots, num_layers=1, head_num=1, head_dim=1, dtype=torch.float16,
                            device="cpu", page_size=page_size)  # fmt: skip
-        host = HostKVPool(dev, layout="page_first", ratio=1.01, safety_margin_gb=0.0)
+        host = HostKVPool(dev, layout="page_first", ratio=2.0, safety_margin_gb=0.0)  # never used: nothing evicts
         cache = HiRadixCache(dev, host, io_backend="direct", write_policy="write_back", threaded=False, tree_core=core)
         run.core = cache.tree_core  # type: ignore[attr-defined]
         hits = 0
@@ -250,6 +260,83 @@ def run_bench(
     }
 
 
+def requests_digest(requests: list[list[int]]) -> str:
+    """A digest of the requests' token ids, so two processes can tell they ran the same workload."""
+    h = hashlib.sha256()
+    for toks in requests:
+        h.update(array.array("q", toks).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def sglang_latest_child(w: Workload, page_sizes: list[int], repeats: int) -> dict[str, Any]:
+    """The child process's side of ``--compare sglang-latest``: SGLang's UnifiedRadixCache on its Rust core
+    over the same requests, or why it cannot run."""
+    try:
+        sgl = bench_sglang.load_unified()
+    except bench_sglang.Unavailable as exc:
+        return {"available": False, "reason": str(exc)}
+    requests = make_requests(w)
+    total = sum(len(t) for t in requests)
+    rows = {str(ps): measure(bench_sglang.unified_runner(sgl, ps, total), requests, repeats) for ps in page_sizes}
+    return {
+        "available": True,
+        "version": sgl.version,
+        "expected_version": bench_sglang.LATEST_VERSION,
+        "path": sgl.path,
+        "tree_core_backend": "rust",
+        "tree_core_class": sgl.tree_core_class,
+        "components": ["FULL"],
+        "notes": sgl.notes,
+        "requests_digest": requests_digest(requests),
+        "results": rows,
+    }
+
+
+def add_sglang_latest(out: dict[str, Any], child: dict[str, Any], requests: list[list[int]]) -> None:
+    """Merge the child's rows into ``out`` (``sglang_latest`` and the speed-up per page size); a child that
+    ran other requests than ours is reported as unavailable."""
+    if child.get("available") and child.get("requests_digest") != requests_digest(requests):
+        child = {"available": False, "reason": "the SGLang child process ran different requests (digest mismatch)"}
+    out["sglang_latest"] = {k: v for k, v in child.items() if k != "results"}
+    if not child.get("available"):
+        return
+    for row in out["results"]:
+        s = child["results"][str(row["page_size"])]
+        row["sglang_latest"] = s
+        row["speedup_vs_sglang_latest"] = row["hicache"]["requests_per_s"] / s["requests_per_s"]
+        row["hit_rates_equal_latest"] = s["hit_rate"] == row["hicache"]["hit_rate"]
+
+
+def _child_argv(a: argparse.Namespace) -> list[str]:
+    argv = ["--sglang-latest-child", "--seed", str(a.seed), "--conversations", str(a.conversations),
+            "--turns", str(a.turns), "--system-prompts", str(a.system_prompts), "--system-len", str(a.system_len),
+            "--question-len", str(a.question_len), "--answer-len", str(a.answer_len), "--repeats", str(a.repeats),
+            "--page-sizes", *map(str, a.page_sizes)]  # fmt: skip
+    return argv + (["--shared-token-objects"] if a.shared_token_objects else [])
+
+
+def _main_scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    quick = a.quick
+    sizes = a.scale_sizes or list(bench_scale.QUICK_SIZES if quick else bench_scale.DEFAULT_SIZES)
+    try:
+        sizes = bench_scale.check_sizes(sizes)
+    except ValueError as exc:
+        p.error(str(exc))
+    requests = a.requests if a.requests is not None else (30 if quick else bench_scale.ScaleConfig.requests)
+    core = "auto" if a.tree_core == "both" else a.tree_core  # one core per run here
+    cfg = bench_scale.ScaleConfig(requests=requests, warmup=5 if quick else bench_scale.ScaleConfig.warmup,
+                                  seed=a.seed, tree_core=core, verify=quick)  # fmt: skip
+    args = {"scale_sizes": sizes, "requests": requests, "quick": quick, "seed": a.seed, "tree_core": core}
+    out = bench_scale.run_scale(sizes, cfg, args)
+    print(bench_scale.format_scale(out))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hicache.bench_tree", description=__doc__.split("\n\n")[0])
     d = Workload()
@@ -273,19 +360,61 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--slot-sizes", type=int, nargs="*", default=[256, 4096],
                    help="also time one request's slot bookkeeping for these many host slots (page 16)")  # fmt: skip
+    p.add_argument(
+        "--compare", choices=["sglang-latest"],
+        help="also run SGLang 0.5.23's UnifiedRadixCache on its Rust core (in a child process; hicache.bench_sglang)",
+    )  # fmt: skip
+    p.add_argument(
+        "--sglang-path", metavar="DIRS",
+        help=f"where --compare imports SGLang from ({os.pathsep}-separated; default ${bench_sglang.PATH_ENV})",
+    )  # fmt: skip
+    p.add_argument("--sglang-latest-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--scale", action="store_true",
+        help="run the scale benchmark instead: the engine's calls per request, device pool full (hicache.bench_scale)",
+    )  # fmt: skip
+    sizes, quick = " ".join(map(str, bench_scale.DEFAULT_SIZES)), " ".join(map(str, bench_scale.QUICK_SIZES))
+    p.add_argument("--scale-sizes", type=int, nargs="+", metavar="SLOTS",
+                   help=f"--scale: device pool sizes in slots (default {sizes})")  # fmt: skip
+    p.add_argument("--requests", type=int, metavar="N",
+                   help=f"--scale: timed requests per size (default {bench_scale.ScaleConfig.requests})")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help=f"--scale: sizes {quick}, 30 requests, verify() after fill and requests")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
+    if a.scale:
+        if a.compare:
+            p.error("--compare: applies to the match + insert comparison, not to --scale")
+        if a.requests is not None and a.requests < 1:
+            p.error(f"--requests: expected >= 1, got {a.requests}")
+        return _main_scale(p, a)
+    for flag, given in (("--scale-sizes", a.scale_sizes), ("--requests", a.requests), ("--quick", a.quick)):
+        if given:
+            p.error(f"{flag}: only with --scale")
     if any(n < 16 or n % 16 for n in a.slot_sizes):
         p.error("--slot-sizes: expected multiples of 16 (whole pages of 16 slots)")
     w = Workload(
         a.seed, a.conversations, a.turns, a.system_prompts, a.system_len, a.question_len, a.answer_len,
         fresh_tokens=not a.shared_token_objects,
     )  # fmt: skip
+    if a.sglang_latest_child:
+        print(json.dumps(sglang_latest_child(w, a.page_sizes, a.repeats)))
+        return 0
     out = run_bench(w, a.page_sizes, a.repeats, compare=not a.no_sglang, tree_core=a.tree_core)
+    if a.compare == "sglang-latest":
+        child = bench_sglang.run_child(_child_argv(a), bench_sglang.search_path(a.sglang_path))
+        add_sglang_latest(out, child, make_requests(w))
     wl = out["workload"]
     print(f"workload: {wl['requests']} requests, {wl['tokens']} tokens, seed {w.seed}; median of {a.repeats}")
     if out["sglang_version"] is None and not a.no_sglang:
         print("sglang: not importable (no side-by-side run)")
+    latest = out.get("sglang_latest")
+    if latest is not None and not latest["available"]:
+        print(f"sglang-latest ({bench_sglang.LATEST_VERSION}, rust core): unavailable: {latest['reason']}")
+    elif latest is not None:
+        expected = "" if latest["version"] == latest["expected_version"] else f" (not {latest['expected_version']}!)"
+        print(f"sglang-latest: {latest['version']}{expected} from {latest['path']}, {latest['tree_core_class']}"
+              + "".join(f"; {n}" for n in latest["notes"]))  # fmt: skip
     for row in out["results"]:
         h = row["hicache"]
         line = (
@@ -299,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"  hit rate {s['hit_rate']:.3f}  -> {row['speedup_vs_sglang']:.2f}x"
             )
         print(line)
+        if "sglang_latest" in row:
+            s, v = row["sglang_latest"], out["sglang_latest"]["version"]
+            print(f"          sglang {v} UnifiedRadixCache (rust core) {s['requests_per_s']:9.0f} req/s"
+                  f"  hit rate {s['hit_rate']:.3f}  -> {row['speedup_vs_sglang_latest']:.2f}x"
+                  + ("" if row["hit_rates_equal_latest"] else "  (hit rates differ!)"))  # fmt: skip
         if "hicache_python" in row:
             line = f"          hicache (python core)   {row['hicache_python']['requests_per_s']:9.0f} req/s"
             if "python_core_speedup_vs_sglang" in row:

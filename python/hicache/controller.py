@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from hicache_kernels._names import IO_BACKENDS
-from hicache_kernels.backends import get_backend
+from hicache_kernels.backends import IOBackend, get_backend
 from hicache_kernels.binding import KVBinding
 
 from .deferred import DeferredDevice, env_seed
@@ -240,7 +240,8 @@ class HiCacheController:
     ----------
     device_pool, host_pool : the pools (:mod:`hicache.pools`).
     io_backend : ``direct``, ``batch``, ``kernel``, ``triton`` or ``auto`` (the transfer ops'
-        backends); checked against the pools: the zero-copy backends need a pinned host pool when the
+        backends), or an :class:`~hicache_kernels.backends.IOBackend` object (e.g. a no-op for host-cost
+        benchmarks); checked against the pools: the zero-copy backends need a pinned host pool when the
         device pool is on a GPU.
     write_policy : ``write_through``, ``write_through_selective`` or ``write_back`` (used by the tree).
     tp_group : a gloo ``torch.distributed`` process group whose ranks must take identical decisions,
@@ -269,26 +270,29 @@ class HiCacheController:
         layer_wise: bool = True,
         device_model: Any = None,
     ) -> None:
-        if io_backend not in IO_BACKENDS:
-            raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
+        if not isinstance(io_backend, IOBackend) and io_backend not in IO_BACKENDS:
+            raise ValueError(
+                f"io_backend: expected one of {', '.join(IO_BACKENDS)} or an IOBackend, got {io_backend!r}"
+            )
+        backend_name = io_backend.name if isinstance(io_backend, IOBackend) else io_backend
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy: expected one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
         on_gpu = torch.device(device_pool.device).type == "cuda"
-        if on_gpu and io_backend in ("kernel", "triton") and not host_pool.buffer.is_pinned():
+        if on_gpu and backend_name in ("kernel", "triton") and not host_pool.buffer.is_pinned():
             raise ValueError(
-                f"io_backend: {io_backend!r} reads the host pool directly and needs it pinned; create the "
+                f"io_backend: {backend_name!r} reads the host pool directly and needs it pinned; create the "
                 "HostKVPool with pin_memory=True or use io_backend='direct'"
             )
-        if not on_gpu and io_backend in ("kernel", "batch"):
+        if not on_gpu and backend_name in ("kernel", "batch"):
             raise ValueError(
-                f"io_backend: {io_backend!r} needs the device pool on a CUDA GPU (got {device_pool.device}); "
+                f"io_backend: {backend_name!r} needs the device pool on a CUDA GPU (got {device_pool.device}); "
                 "use 'direct' (or 'triton' under TRITON_INTERPRET=1) with CPU pools"
             )
         _check_tp_group(tp_group)
         self.device = _choose_device(torch.device(device_pool.device), device_model)
         self.device_pool = device_pool
         self.host_pool = host_pool
-        self.io_backend = io_backend
+        self.io_backend = backend_name
         self.backend = get_backend(io_backend)
         # Validate the pools once; every copy then checks only its indices.
         self.binding = KVBinding(device_pool.device_k, device_pool.device_v, host_pool.buffer,

@@ -121,7 +121,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         host_pool: HostKVPool,
         controller: HiCacheController | None = None,
         *,
-        io_backend: str = "auto",
+        io_backend: Any = "auto",
         write_policy: str = "write_through",
         tp_group: Any = None,
         threaded: bool | None = None,
