@@ -9,7 +9,6 @@ import random
 
 import pytest
 
-from hicache.candidates import Candidates
 from hicache.invariants import check_kept
 
 from test_cache_stress import Driver, build
@@ -18,25 +17,13 @@ POLICIES = ["lru", "lfu", "slru", "fifo", "priority"]
 
 
 def walk_victims(cache, num_tokens: int) -> list[int]:
-    """The device victims of the walk-and-sort eviction (the cache's previous algorithm), without evicting."""
-    leaves = [n for n in cache._nodes() if cache._is_device_candidate(n)]
-    heap = Candidates(cache.policy.key, cache._is_device_candidate)
-    heap.push_all(leaves)
-    chosen, planned = [], 0
-    cache._chosen = picked = set()
+    """The device victims of the walk-and-sort path (what a policy without ``monotonic`` gets, and what
+    every eviction did before), without evicting."""
+    kept, cache._device_candidates = cache._device_candidates, None
     try:
-        while planned < num_tokens:
-            x = heap.pop()
-            if x is None:
-                break
-            chosen.append(x.id)
-            picked.add(x.id)
-            planned += x.num_tokens
-            if x.parent is not cache.root:
-                heap.push(x.parent)
+        return [x.id for x in cache._pick_device(num_tokens)]
     finally:
-        cache._chosen = set()
-    return chosen
+        cache._device_candidates = kept
 
 
 @pytest.mark.parametrize("policy", POLICIES)
