@@ -46,6 +46,18 @@ def backup_launch(model, stream, binding, dev, host, d_idx, h_idx, what="backup"
                  writes=[KVRegion(host, h_idx)], what=what)  # fmt: skip
 
 
+def load_launch(model, stream, binding, dev, host, d_idx, h_idx, what="load"):
+    model.launch(stream, lambda s: binding.load(d_idx, h_idx, backend="direct"), reads=[KVRegion(host, h_idx)],
+                 writes=[KVRegion(dev, d_idx)], what=what)  # fmt: skip
+
+
+def bare_model() -> tuple[DeviceKVPool, HostKVPool, KVBinding, DeferredDevice]:
+    """Random pools bound page-first, and a model that runs queued work only when waited for."""
+    dev, host = pools()
+    binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
+    return dev, host, binding, DeferredDevice(seed=0, step_probability=0.0)
+
+
 def is_poison(t: torch.Tensor) -> bool:
     return bool((t.reshape(-1).view(torch.uint8) == POISON).all())
 
@@ -98,9 +110,7 @@ def test_seeds_interleave_two_streams_differently():
 
 
 def test_a_source_overwritten_before_its_copy_ran_fails_naming_op_stream_and_slots(expect_hazards):
-    dev, host = pools()
-    binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
-    model = DeferredDevice(seed=0, step_probability=0.0)
+    dev, host, binding, model = bare_model()
     stream = model.new_stream("write")
     backup_launch(model, stream, binding, dev, host, torch.arange(4, 8), torch.arange(0, 4), what="backup of node 7")
     dev.k[1, 5] += 1.0  # the device slot is reused while its backup is still queued
@@ -110,26 +120,20 @@ def test_a_source_overwritten_before_its_copy_ran_fails_naming_op_stream_and_slo
 
 
 def test_a_destination_written_before_its_copy_ran_fails(expect_hazards):
-    dev, host = pools()
-    binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
-    model = DeferredDevice(seed=0, step_probability=0.0)
+    dev, host, binding, model = bare_model()
     stream = model.new_stream("load")
     d_idx, h_idx = torch.arange(8, 12), torch.arange(0, 4)
-    model.launch(stream, lambda s: binding.load(d_idx, h_idx, backend="direct"), reads=[KVRegion(host, h_idx)],
-                 writes=[KVRegion(dev, d_idx)], what="load")  # fmt: skip
+    load_launch(model, stream, binding, dev, host, d_idx, h_idx)
     dev.v[2, 9] = 0.5  # a forward writes into a slot the load has not filled yet
     with pytest.raises(OrderingError, match=r"'load'.*destination slots \[9\].*written by someone else"):
         stream.synchronize()
 
 
 def test_a_read_before_the_copy_landed_fails_and_after_the_wait_passes(expect_hazards):
-    dev, host = pools()
-    binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
-    model = DeferredDevice(seed=0, step_probability=0.0)
+    dev, host, binding, model = bare_model()
     stream = model.new_stream("load")
     d_idx, h_idx = torch.arange(8, 12), torch.arange(0, 4)
-    model.launch(stream, lambda s: binding.load(d_idx, h_idx, backend="direct"), reads=[KVRegion(host, h_idx)],
-                 writes=[KVRegion(dev, d_idx)], what="load")  # fmt: skip
+    load_launch(model, stream, binding, dev, host, d_idx, h_idx)
     ev = model.new_event()
     ev.record(stream)
     region = [KVRegion(dev, torch.arange(6, 10), (0,))]
@@ -141,13 +145,10 @@ def test_a_read_before_the_copy_landed_fails_and_after_the_wait_passes(expect_ha
 
 @pytest.mark.parametrize("wait", [True, False], ids=["waits", "does_not_wait"])
 def test_a_stream_reading_anothers_output_must_wait_on_its_event(expect_hazards, wait):
-    dev, host = pools()
-    binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
-    model = DeferredDevice(seed=0, step_probability=0.0)
+    dev, host, binding, model = bare_model()
     load, write = model.new_stream("load"), model.new_stream("write")
     d_idx, h_idx = torch.arange(8, 12), torch.arange(0, 4)
-    model.launch(load, lambda s: binding.load(d_idx, h_idx, backend="direct"), reads=[KVRegion(host, h_idx)],
-                 writes=[KVRegion(dev, d_idx)], what="load")  # fmt: skip
+    load_launch(model, load, binding, dev, host, d_idx, h_idx)
     if wait:
         ev = model.new_event()
         ev.record(load)
@@ -162,9 +163,7 @@ def test_a_stream_reading_anothers_output_must_wait_on_its_event(expect_hazards,
 
 
 def test_launch_faults_raise_at_issue_and_queue_nothing():
-    dev, host = pools()
-    binding = KVBinding(dev.k, dev.v, host.buffer, layout="page_first", page_size=4)
-    model = DeferredDevice(seed=0, step_probability=0.0)
+    dev, host, binding, model = bare_model()
     stream = model.new_stream("load")
     model.fail_launch("load", 2, RuntimeError("launch failed"))
     before = host.buffer.clone()

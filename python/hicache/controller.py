@@ -470,47 +470,44 @@ class HiCacheController:
 
     def _issue(self, op: _Op, stream: Any) -> None:
         """Launch ``op``'s copies on ``stream`` after its ready event (nothing waits here)."""
-        dp, hp, dev = self.device_pool, self.host_pool, self.device
+        dp, hp = self.device_pool, self.host_pool
         if op.ready is not None:
             stream.wait_event(op.ready)
         d_idx, h_idx = op.device_indices, op.host_indices
-        backend_stream = stream if self.on_gpu else None
         # The pools were validated once (self.binding); each op checks its indices once.
         if op.kind == "write":
-            dev.launch(
-                stream,
-                lambda s: self.binding.backup(d_idx, h_idx, backend=self.backend, stream=s),
-                reads=[KVRegion(dp, d_idx)],
-                writes=[KVRegion(hp, h_idx)],
-                what=f"backup of nodes {op.node_ids}",
-            )
-        elif self.layer_wise:
+            work = lambda s: self.binding.backup(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
+            self._launch(stream, work, op, (dp, d_idx), (hp, h_idx), None)
+            return
+        if self.layer_wise:
             # Indices checked and moved once per batch; each layer is one prepared launch.
+            backend_stream = stream if self.on_gpu else None
             loads = self.binding.layer_loads(d_idx, h_idx, backend=self.backend, stream=backend_stream)
             for layer in range(dp.num_layers):
-                dev.launch(
-                    stream,
-                    lambda s, layer=layer: loads(layer),
-                    reads=[KVRegion(hp, h_idx, (layer,))],
-                    writes=[KVRegion(dp, d_idx, (layer,))],
-                    what=f"load of layer {layer} of nodes {op.node_ids}",
-                )
+                self._launch(stream, lambda s, layer=layer: loads(layer), op, (hp, h_idx), (dp, d_idx), layer)
                 self.layer_counter.layer_issued(layer, stream, op.generation)
-        else:
-            dev.launch(
-                stream,
-                lambda s: self.binding.load(d_idx, h_idx, backend=self.backend, stream=s),
-                reads=[KVRegion(hp, h_idx)],
-                writes=[KVRegion(dp, d_idx)],
-                what=f"load of nodes {op.node_ids}",
-            )
-            for layer in range(dp.num_layers):
-                self.layer_counter.layer_issued(layer, stream, op.generation)
+            return
+        work = lambda s: self.binding.load(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
+        self._launch(stream, work, op, (hp, h_idx), (dp, d_idx), None)
+        for layer in range(dp.num_layers):
+            self.layer_counter.layer_issued(layer, stream, op.generation)
+
+    def _launch(self, stream: Any, work: Any, op: _Op, src: tuple, dst: tuple, layer: int | None) -> None:
+        """One launch of ``op`` on the device: ``src`` / ``dst`` are ``(pool, slots)``, for ``layer`` or
+        every layer (None). The regions and the description are built only for a device that uses them."""
+        dev = self.device
+        if not dev.tracks_regions:
+            dev.launch(stream, work)
+            return
+        layers = None if layer is None else (layer,)
+        what = f"{'backup' if op.kind == 'write' else 'load'}{'' if layer is None else f' of layer {layer}'}"
+        dev.launch(stream, work, reads=[KVRegion(*src, layers)], writes=[KVRegion(*dst, layers)],
+                   what=f"{what} of nodes {op.node_ids}")  # fmt: skip
 
     # ------------------------------------------------------------------ completions
     def _landed(self, kind: str, q: queue.Queue) -> list[_Ack]:
-        """The acks of ``kind`` issued so far (in issue order), with how many lead whose done events
-        completed: a copy's ack is taken only after its stream work has landed."""
+        """The acks of ``kind`` issued and not yet taken, in issue order (:meth:`_count_landed` says how
+        many lead whose done events completed: a copy's ack is taken only after its work landed)."""
         seen = self._acks_seen[kind]
         while True:
             try:
@@ -544,12 +541,12 @@ class HiCacheController:
         if self.tp_group is None:
             return {k: (n, [int(a.error is not None) for a in seens[k][:n]]) for k, n in local.items()}
         w = self.ACK_WINDOW
-        v = torch.ones(len(kinds) * (w + 1), dtype=torch.int64)
-        for j, kind in enumerate(kinds):
+        values: list[int] = []
+        for kind in kinds:
             n = min(local[kind], w)
-            v[j * (w + 1)] = n
-            for i, ack in enumerate(seens[kind][:n]):
-                v[j * (w + 1) + 1 + i] = int(ack.error is None)
+            ok = [int(ack.error is None) for ack in seens[kind][:n]]
+            values += [n, *ok, *[1] * (w - n)]  # 1 (neutral for MIN) beyond the acks this rank has
+        v = torch.tensor(values, dtype=torch.int64)
         torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
         out = {}
         for j, kind in enumerate(kinds):
@@ -566,7 +563,7 @@ class HiCacheController:
 
     def finished(self, kinds: tuple[str, ...] = ("write", "load")) -> dict[str, list[tuple[int, BaseException | None]]]:
         """The copies of ``kinds`` that landed on every rank, per kind in submission order, agreed in ONE
-        collective (at most :attr:`ACK_WINDOW` per kind and call): ``(node_id, None)`` for a completed
+        collective (with a TP group, at most :attr:`ACK_WINDOW` per kind and call): ``(node_id, None)`` for a completed
         copy, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`), or that
         completed here but failed on another rank (:class:`CopyFailedOnPeer`: every rank rolls it back,
         so the trees stay alike). Backups' host slots are still WRITING: the caller marks them synced,

@@ -149,6 +149,5 @@ class CopyAcks:
             self._slots.free(x.value)  # it has its host copy (the load's source)
             x.value = None
             self._lost_child(x.parent)
-            if self._host_candidates is not None:
-                self._host_candidates.push(x)
+            self._maybe_host_candidate(x)
             del self._lost[x.id]

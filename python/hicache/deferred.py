@@ -205,7 +205,7 @@ class DeferredDevice:
 
     name = "deferred"
     has_events = True
-    checks_reads = True
+    tracks_regions = True
 
     def __init__(self, seed: int = 0, step_probability: float = 0.3) -> None:
         if not 0.0 <= step_probability <= 1.0:

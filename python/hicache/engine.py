@@ -385,7 +385,7 @@ class Engine:
                 counter = cache.controller.layer_counter
                 # The KV this step's forward reads (every sequence's slots before its new tokens), for a
                 # device that checks reads against copies still in flight (the deferred model).
-                read = [slots[:start] for _, start, slots in seqs if start] if device.checks_reads else []
+                read = [slots[:start] for _, start, slots in seqs if start] if device.tracks_regions else []
                 regions = [[KVRegion(self.pool, torch.cat(read), (layer,))] if read else []
                            for layer in range(self.pool.num_layers)]  # fmt: skip
 

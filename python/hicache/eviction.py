@@ -43,8 +43,7 @@ class Eviction:
             self._slots.free(node.value)
             node.value = None
             self._lost_child(node.parent)
-            if self._host_candidates is not None:
-                self._host_candidates.push(node)  # host-only now: a host leaf, if childless
+            self._maybe_host_candidate(node)  # host-only now: a host leaf, if childless
         else:
             self._delete(node)
 
@@ -67,8 +66,8 @@ class Eviction:
                     self.controller.flush()
                     self._take_acks()
                 except BaseException:  # nothing is evicted: the picked nodes are candidates again
-                    if self._device_candidates is not None:
-                        self._device_candidates.push_all(chosen)
+                    for x in chosen:
+                        self._maybe_device_candidate(x)
                     raise
                 chosen = [x for x in chosen if x.value is not None]  # acks may have released lost subtrees
         freed = 0

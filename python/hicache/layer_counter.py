@@ -40,7 +40,7 @@ class LayerDoneCounter:
     :meth:`start` opens a batch (a *generation*, numbered from 1); the loader calls
     :meth:`layer_issued` with that generation after issuing each layer's copy (in layer order) and
     :meth:`finish` once the whole batch has landed (the controller: when the event after its last
-    layer completed) or :meth:`abort` when it failed . The forward pass calls
+    layer completed) or :meth:`abort` when it failed. The forward pass calls
     :meth:`wait_until` before reading a layer, for the newest batch unless told otherwise.
 
     Batches may overlap (a new one can start while older ones are still loading): each keeps its own

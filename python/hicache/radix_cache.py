@@ -497,30 +497,36 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
             and not self._host_pinned(node)
         )
 
+    def _maybe_device_candidate(self, node: Any) -> None:
+        """``node`` may have become a device eviction candidate (checked when popped)."""
+        if self._device_candidates is not None:
+            self._device_candidates.push(node)
+
+    def _maybe_host_candidate(self, node: Any) -> None:
+        """``node`` may have become a host eviction candidate (checked when popped)."""
+        if self._host_candidates is not None:
+            self._host_candidates.push(node)
+
     def _gained_device(self, node: Any) -> None:
         """``node`` got device slots: protected tokens if it is locked, else maybe a device leaf."""
         if node.lock_ref:
             self._protected += node.num_tokens
-        elif self._device_candidates is not None:
-            self._device_candidates.push(node)
+        else:
+            self._maybe_device_candidate(node)
 
     def _unlocked(self, node: Any) -> None:
         """``node``'s last lock went: its tokens are evictable again, and it may be a candidate."""
         if not node.evicted:
             self._protected -= node.num_tokens
-            if self._device_candidates is not None:
-                self._device_candidates.push(node)
-        elif self._host_candidates is not None and node.host_value is not None:
-            self._host_candidates.push(node)
+            self._maybe_device_candidate(node)
+        elif node.host_value is not None:
+            self._maybe_host_candidate(node)
 
     def _lost_child(self, parent: Any) -> None:
         """A child of ``parent`` lost its device copy or left the tree: ``parent`` may be a leaf now."""
-        if parent is self.root:
-            return
-        if self._device_candidates is not None:
-            self._device_candidates.push(parent)
-        if self._host_candidates is not None:
-            self._host_candidates.push(parent)
+        if parent is not self.root:
+            self._maybe_device_candidate(parent)
+            self._maybe_host_candidate(parent)
 
     def flush(self) -> None:
         """Wait for every copy in flight and process the acks (:class:`CopyError` for failed ones)."""

@@ -126,7 +126,9 @@ class StorageOps:
             return
         # The storage threads read the host pages from now on: they must have landed (the deferred model
         # checks it; on a GPU the write's ack came from its completed event).
-        self.controller.device.check_read([KVRegion(self.host_pool, host)], f"the storage backup of node {node.id}")
+        device = self.controller.device
+        if device.tracks_regions:
+            device.check_read([KVRegion(self.host_pool, host)], f"the storage backup of node {node.id}")
         self._host_pins[node.id] = self._host_pins.get(node.id, 0) + 1
         self._inflight_storage.setdefault(node.id, []).append(node)
         self._storage.submit_backup(node.id, keys, host)
@@ -163,8 +165,7 @@ class StorageOps:
             self._host_pins[node.id] = left
         else:
             del self._host_pins[node.id]
-            if self._host_candidates is not None:
-                self._host_candidates.push(node)  # host eviction may take it again
+            self._maybe_host_candidate(node)  # host eviction may take it again
 
     def check_storage(self: HiRadixCache) -> int:
         """Process finished storage backups (agreed across TP ranks): their nodes unlock. Returns how many.
@@ -336,8 +337,7 @@ class StorageOps:
             node = TreeNode(next(self._ids), parent, tuple(tokens), self._tick())
             parent.children[node.key[: self.page_size]] = node
         node.host_value = host
-        if self._host_candidates is not None:
-            self._host_candidates.push(node)
+        self._maybe_host_candidate(node)
         return node
 
     def _free_host(self: HiRadixCache, slots: torch.Tensor) -> None:

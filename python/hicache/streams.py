@@ -13,7 +13,7 @@ touch ``torch.cuda`` themselves, so the same controller runs on
   destination read or written before it was filled) fail loudly.
 
 A launch names what the work reads and writes as :class:`KVRegion` s (a pool, its slots, its layers):
-only the deferred model uses them, to poison destinations and check sources.
+only the deferred model uses them (``tracks_regions``), to poison destinations and check sources.
 
 Rules the callers keep (and the deferred model checks): a copy is done when an event recorded after it
 on its stream says so (``query``/``synchronize``), never when the launch returns; a stream that must
@@ -82,7 +82,9 @@ class StreamDevice(Protocol):
 
     name: str
     has_events: bool
-    checks_reads: bool  # whether check_read does anything (callers skip building regions otherwise)
+    # Whether the regions a launch or check_read names are used (the deferred model); callers skip
+    # building them (and a launch's description) otherwise: they cost host time on every copy.
+    tracks_regions: bool
 
     def new_stream(self, name: str) -> Any: ...
 
@@ -112,7 +114,7 @@ class CudaDevice:
 
     name = "cuda"
     has_events = True
-    checks_reads = False
+    tracks_regions = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -179,7 +181,7 @@ class EagerDevice:
 
     name = "eager"
     has_events = False
-    checks_reads = False
+    tracks_regions = False
 
     def new_stream(self, name: str) -> _EagerStream:
         return _EagerStream(name)
