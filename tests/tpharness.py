@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import datetime
+import gc
+import os
 import queue
 import time
 import traceback
@@ -25,11 +27,20 @@ def rank_report(rank: int, world: int, init_file: str, timeout_s: float, out: An
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
         result = work()
+        # Caches kept alive by reference cycles (a raised CopyError's traceback holds its frames) hold
+        # the process group: free them now, so the group's C++ side is torn down here and not while
+        # the interpreter finalizes (gloo's threads then abort the process, exit code -6, at random).
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
         out.put((rank, "ok", result))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
+    # The report is this process's whole output: flush it and leave without the interpreter's
+    # finalization, where third-party C++ threads can still abort a process whose work succeeded.
+    out.close()
+    out.join_thread()
+    os._exit(0)
 
 
 def run_ranks(target: Callable[..., None], args: tuple, world: int, timeout_s: float, grace_s: float) -> dict:
