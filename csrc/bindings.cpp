@@ -478,26 +478,27 @@ class PyPageStack {
  public:
   PyPageStack(const py::buffer& stack, const py::buffer& states, const py::buffer& ever,
               int64_t page_size) {
-    py::buffer_info info = stack.request();
+    py::buffer_info info = stack.request(true);
     if (info.ndim != 1 || info.itemsize != 8 || (info.format != "l" && info.format != "q") ||
         (info.shape[0] > 1 && info.strides[0] != 8)) {
       throw py::value_error("stack: expected a contiguous 1-D int64 array");
     }
     if (page_size < 1) throw py::value_error("page_size: expected >= 1");
     int64_t n_states = 0, n_ever = 0;
-    p_.stack = static_cast<const int64_t*>(info.ptr);
+    p_.stack = static_cast<int64_t*>(info.ptr);
     p_.states = byte_array(states, "states", true, &n_states);
     p_.ever = byte_array(ever, "ever", true, &n_ever);
     p_.page_size = page_size;
-    num_pages_ = info.shape[0];
-    if (n_states < num_pages_ * page_size || n_ever != n_states) {
+    p_.num_pages = info.shape[0];
+    p_.seen.assign(static_cast<size_t>(p_.num_pages), 0u);
+    if (n_states < p_.num_pages * page_size || n_ever != n_states) {
       throw py::value_error("states, ever: expected page_size entries per page of stack");
     }
     keep_ = py::make_tuple(stack, states, ever);
   }
 
   Int64Array pop(int64_t top, int64_t need, int state) const {
-    if (top < 0 || top > num_pages_ || need < 0 || need > top || state < 0 || state > 255) {
+    if (top < 0 || top > p_.num_pages || need < 0 || need > top || state < 0 || state > 255) {
       throw py::value_error("pop: top/need/state out of range");
     }
     Int64Array out(static_cast<py::ssize_t>(need * p_.page_size));
@@ -505,10 +506,48 @@ class PyPageStack {
     return out;
   }
 
+  // The slots an owner holds, one byte per slot (see PageStack::whole_pages); replaces the last set.
+  void set_owned(const py::list& arrays) {
+    std::vector<const uint8_t*> ptrs;
+    for (py::handle a : arrays) {
+      int64_t n = 0;
+      ptrs.push_back(byte_array(py::reinterpret_borrow<py::buffer>(a), "owned", false, &n));
+      if (n != p_.num_pages * p_.page_size) throw py::value_error("owned: expected one entry per slot");
+    }
+    owned_ = std::move(ptrs);
+    owned_keep_ = py::tuple(arrays);
+  }
+
+  // Moves whole pages given in order from one of `sources` (bit s for state s) to `target`, all or
+  // nothing; with `push` the pages go on the free stack above `top`. The new top (`top` without
+  // push), or -1 with nothing changed when the slots are anything else, one is in another state, or
+  // (`check_owned`) an owner holds one: the caller's general path then decides and names the fault.
+  int64_t transition(const py::buffer& slots, uint32_t sources, int target, bool push, int64_t top,
+                     bool check_owned) {
+    if (target < 0 || target > 255 || (push && (sources & 1u)) || top < 0 || top > p_.num_pages) {
+      throw py::value_error("transition: target/top out of range, or a push from FREE");
+    }
+    py::buffer_info info = slots.request();
+    if (info.ndim != 1 || info.itemsize != 8 || (info.format != "l" && info.format != "q") ||
+        (info.shape[0] > 1 && info.strides[0] != 8)) {
+      return -1;
+    }
+    const int64_t n = info.shape[0];
+    pages_.resize(static_cast<size_t>(n / p_.page_size + 1));
+    const int64_t count =
+        p_.whole_pages(static_cast<const int64_t*>(info.ptr), n, sources, owned_.data(),
+                       check_owned ? static_cast<int64_t>(owned_.size()) : 0, pages_.data());
+    if (count < 0) return -1;
+    if (push && top + count > p_.num_pages) throw std::logic_error("transition: free stack overflow");
+    return p_.set_pages(pages_.data(), count, static_cast<uint8_t>(target), push, top);
+  }
+
  private:
   hicache::PageStack p_;
-  int64_t num_pages_ = 0;
-  py::tuple keep_;  // the arrays outlive the pointers
+  std::vector<int64_t> pages_;  // scratch: one call's pages
+  std::vector<const uint8_t*> owned_;
+  py::tuple keep_;        // the arrays outlive the pointers
+  py::tuple owned_keep_;  // likewise the owners' arrays
 };
 
 void bind_radix_tree(py::module_& m) {
@@ -525,7 +564,13 @@ void bind_radix_tree(py::module_& m) {
            py::arg("stack"), py::arg("states"), py::arg("ever"), py::arg("page_size"))
       .def("pop", &PyPageStack::pop, py::arg("top"), py::arg("need"), py::arg("state"),
            "Pop need pages off the top pages of stack (top first), mark their slots, return the "
-           "slots.");
+           "slots.")
+      .def("set_owned", &PyPageStack::set_owned, py::arg("arrays"),
+           "The owners' slot flags (1-byte arrays, one entry per slot) transition checks.")
+      .def("transition", &PyPageStack::transition, py::arg("slots"), py::arg("sources"),
+           py::arg("target"), py::arg("push"), py::arg("top"), py::arg("check_owned"),
+           "Move whole pages in order between states (see hicache.paged_slots); the new top, or -1 "
+           "with nothing changed for anything the general path must decide.");
 
   using hicache::RadixTree;
   py::class_<PyRadixTree>(

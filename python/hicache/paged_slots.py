@@ -31,11 +31,18 @@ _RESERVED_INT = int(SlotState.RESERVED)
 
 
 def _compiled_page_stack(stack: np.ndarray, states: np.ndarray, ever: np.ndarray, page_size: int):
-    """``hicache_kernels._C.PageStack(...).pop`` over the pool's arrays, or None without the extension."""
+    """``hicache_kernels._C.PageStack`` over the pool's arrays, or None without the extension."""
     from hicache_kernels._ext import optional_attr  # noqa: PLC0415
 
     page_stack = optional_attr("PageStack")
-    return None if page_stack is None else page_stack(stack, states, ever, page_size).pop
+    return None if page_stack is None else page_stack(stack, states, ever, page_size)
+
+
+def _mask(states: tuple[SlotState, ...]) -> int:
+    m = 0
+    for st in states:
+        m |= 1 << int(st)
+    return m
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -77,9 +84,22 @@ class _PagedSlots:
         self._scratch = np.empty(num_pages, dtype=np.int32 if num_pages < 2**31 else np.int64)
         self._index = np.arange(num_pages, dtype=self._scratch.dtype)
         self._lock = threading.Lock()
-        # alloc's pops in one compiled call when the extension is built (same result as the numpy path
-        # below, which tests also run): the scheduler allocates on every request.
-        self._pop = _compiled_page_stack(self._stack, self._states, self._ever, page_size)
+        # alloc's pops and the usual transitions in one compiled call each when the extension is built
+        # (the same result as the numpy paths below, which tests also run): the scheduler allocates,
+        # frees and moves host slots through their states several times per request.
+        core = _compiled_page_stack(self._stack, self._states, self._ever, page_size)
+        self._pop = None if core is None else core.pop
+        self._move = None if core is None else core.transition
+        self._set_owned = None if core is None else core.set_owned
+        self._masks: dict[tuple[SlotState, ...], int] = {}
+
+    def set_owned(self, arrays: list[np.ndarray]) -> None:
+        """The owners' slot flags (bool, one per slot; an owner holds whole pages) that a transition
+        with a ``guard`` checks in its compiled path: a page an owner holds goes to the general path,
+        where the guard names it."""
+        if self._set_owned is not None:
+            with self._lock:
+                self._set_owned(arrays)
 
     def available_size(self) -> int:
         with self._lock:
@@ -185,6 +205,16 @@ class _PagedSlots:
         usual input, else None); it raises to refuse them, before anything changes."""
         quick = isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int64, torch.int32)
         with self._lock:
+            if quick and self._move is not None and slots.dtype is torch.int64 and slots.is_cpu:
+                mask = self._masks.get(sources)
+                if mask is None:
+                    mask = self._masks[sources] = _mask(sources)
+                push = target == SlotState.FREE
+                top = self._move(slots.detach().numpy(), mask, int(target), push, self._num_free, guard is not None)
+                if top >= 0:
+                    self._num_free = top
+                    return
+                quick = False  # not the usual input, or refused: the general path decides and names why
             if quick:
                 s = slots.detach().cpu().numpy().astype(np.int64, copy=False)  # CUDA slots: one sync
                 pages = self._whole_pages(s) if s.size else None

@@ -229,6 +229,7 @@ class DeviceKVPool:
             raise TypeError(f"owner: expected an object whose owned is a bool numpy array of {self.size} slots")
         live = [(ref, first) for ref, first in self._owners if ref() is not None]
         self._owners = [*live, (weakref.ref(owner), owned[:: self.page_size])]
+        self._slots.set_owned([ref().owned for ref, _ in self._owners])  # type: ignore[union-attr]
 
     def _refuse_owned(self, s: np.ndarray, pages: np.ndarray | None) -> None:
         """``ValueError`` when an owner holds a slot of ``s`` (checked, allocated slots about to be freed;
