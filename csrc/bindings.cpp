@@ -506,13 +506,15 @@ class PyPageStack {
     return out;
   }
 
-  // The slots an owner holds, one byte per slot (see PageStack::whole_pages); replaces the last set.
+  // The slots an owner holds, one byte per slot (see PageStack::whole_pages); replaces the last
+  // set.
   void set_owned(const py::list& arrays) {
     std::vector<const uint8_t*> ptrs;
     for (py::handle a : arrays) {
       int64_t n = 0;
       ptrs.push_back(byte_array(py::reinterpret_borrow<py::buffer>(a), "owned", false, &n));
-      if (n != p_.num_pages * p_.page_size) throw py::value_error("owned: expected one entry per slot");
+      if (n != p_.num_pages * p_.page_size)
+        throw py::value_error("owned: expected one entry per slot");
     }
     owned_ = std::move(ptrs);
     owned_keep_ = py::tuple(arrays);
@@ -538,7 +540,8 @@ class PyPageStack {
         p_.whole_pages(static_cast<const int64_t*>(info.ptr), n, sources, owned_.data(),
                        check_owned ? static_cast<int64_t>(owned_.size()) : 0, pages_.data());
     if (count < 0) return -1;
-    if (push && top + count > p_.num_pages) throw std::logic_error("transition: free stack overflow");
+    if (push && top + count > p_.num_pages)
+      throw std::logic_error("transition: free stack overflow");
     return p_.set_pages(pages_.data(), count, static_cast<uint8_t>(target), push, top);
   }
 
@@ -585,7 +588,8 @@ void bind_radix_tree(py::module_& m) {
            "(device_slots, device_len, host_len, last_device, last_host, splits, backups)")
       .def("insert", &PyRadixTree::insert, py::arg("tokens"), py::arg("slots"), py::arg("priority"),
            py::arg("touch"), py::arg("threshold"), py::arg("checked"),
-           "(status, dup, cached, splits, backups, new_node, revived); status 1: the slots need the full "
+           "(status, dup, cached, splits, backups, new_node, revived); status 1: the slots need "
+           "the full "
            "check "
            "(nothing changed; cached = the tree's slots of the first dup tokens)")
       .def("slots", &PyRadixTree::slots, py::arg("id"))

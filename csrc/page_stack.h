@@ -11,12 +11,13 @@
 namespace hicache {
 
 struct PageStack {
-  int64_t* stack = nullptr;  // free page ids; the top of the stack is the end
+  int64_t* stack = nullptr;   // free page ids; the top of the stack is the end
   uint8_t* states = nullptr;  // one state byte per slot
   uint8_t* ever = nullptr;    // one byte per slot: allocated at least once
   int64_t page_size = 1;
   int64_t num_pages = 0;
-  std::vector<uint32_t> seen;  // per page: the call that last saw it (the repeat check, never cleared)
+  std::vector<uint32_t>
+      seen;  // per page: the call that last saw it (the repeat check, never cleared)
   uint32_t call = 0;
 
   // Pops `need` pages off a stack holding `top` (the top first, as stack[top-1], stack[top-2],
@@ -37,8 +38,8 @@ struct PageStack {
   // consecutive and in order, no page twice, every slot's state one of `sources` (bit s for state
   // s) and no page's first slot set in any of `owned` (owners hold whole pages); the page count,
   // or -1 when anything differs (nothing changed: the caller's general path names the fault).
-  int64_t whole_pages(const int64_t* slots, int64_t n, uint32_t sources, const uint8_t* const* owned,
-                      int64_t num_owned, int64_t* pages) {
+  int64_t whole_pages(const int64_t* slots, int64_t n, uint32_t sources,
+                      const uint8_t* const* owned, int64_t num_owned, int64_t* pages) {
     if (n <= 0 || n % page_size) return -1;
     if (++call == 0) {  // the counter wrapped: forget every earlier call
       std::fill(seen.begin(), seen.end(), 0u);
