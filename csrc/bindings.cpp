@@ -412,6 +412,40 @@ bool same_items(py::handle seq, const py::bytes& ptrs) {
   return true;
 }
 
+// A transfer's CPU indices checked in one pass each (hicache_kernels._validate.index_values): the
+// first fault as (side, kind, value) with side 0 = device / 1 = host, kind 1 = outside [0, n)
+// (value: the lowest if below 0, else the highest) / 2 = a repeated destination slot (value: the
+// smallest repeated), every range fault before any repeat; None when there is none.
+py::object index_faults(const Int64Array& dev, int64_t n_dev, const Int64Array& host,
+                        int64_t n_host, bool host_is_dst) {
+  const Int64Array* sides[2] = {&dev, &host};
+  const int64_t sizes[2] = {n_dev, n_host};
+  for (int side = 0; side < 2; ++side) {
+    const int64_t* p = sides[side]->data();
+    const int64_t n = sides[side]->size();
+    if (n == 0) continue;
+    int64_t lo = p[0], hi = p[0];
+    for (int64_t i = 1; i < n; ++i) {
+      lo = std::min(lo, p[i]);
+      hi = std::max(hi, p[i]);
+    }
+    if (lo < 0 || hi >= sizes[side]) return py::make_tuple(side, 1, lo < 0 ? lo : hi);
+  }
+  const int dst = host_is_dst ? 1 : 0;
+  const int64_t n = sides[dst]->size();
+  if (n < 2) return py::none();
+  const int64_t* p = sides[dst]->data();
+  bool ascending = true;  // the usual input (whole pages in order) needs no sort
+  for (int64_t i = 1; i < n && ascending; ++i) ascending = p[i] > p[i - 1];
+  if (ascending) return py::none();
+  std::vector<int64_t> sorted(p, p + n);
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 1; i < n; ++i) {
+    if (sorted[i] == sorted[i - 1]) return py::make_tuple(dst, 2, sorted[i]);
+  }
+  return py::none();
+}
+
 // checksum_words over a buffer of whole 64-bit words, without the GIL.
 uint64_t checksum_words(const py::buffer& data, uint64_t first, uint64_t sum) {
   py::buffer_info info = data.request();
@@ -559,6 +593,9 @@ void bind_radix_tree(py::module_& m) {
   m.def("pread_checksum", &pread_checksum, py::arg("fd"), py::arg("offset"), py::arg("buffers"),
         py::arg("first"), py::arg("sum"), py::arg("chunk"),
         "Read a file range into buffers chunk by chunk, adding each chunk to the page checksum.");
+  m.def("index_faults", &index_faults, py::arg("dev"), py::arg("n_dev"), py::arg("host"),
+        py::arg("n_host"), py::arg("host_is_dst"),
+        "A transfer's CPU indices: the first fault as (side, kind, value), or None.");
   m.def("same_items", &same_items, py::arg("seq"), py::arg("ptrs"),
         "Whether the list/tuple seq holds exactly the objects at the addresses packed in ptrs.");
   py::class_<PyPageStack>(m, "PageStack",

@@ -232,12 +232,44 @@ def _index_stats(idx: torch.Tensor, is_dst: bool) -> torch.Tensor:
     return torch.cat([s[:1], s[-1:], same.any().view(1).to(torch.int64), s[1:].index_select(0, first)])
 
 
+def _index_faults() -> Any:
+    """The compiled one-pass check of CPU indices (``hicache_kernels._C.index_faults``), or None."""
+    global _INDEX_FAULTS
+    if _INDEX_FAULTS is False:
+        from ._ext import optional_attr  # noqa: PLC0415
+
+        _INDEX_FAULTS = optional_attr("index_faults")
+    return _INDEX_FAULTS
+
+
+_INDEX_FAULTS: Any = False  # not looked up yet
+
+
+def _raise_fault(direction: str, name: str, kind: int, value: int, n: int) -> None:
+    if kind == 1:
+        raise IndexError(f"{name}: index {value} is outside the pool's {n} slots [0, {n})")
+    raise ValueError(
+        f"{name}: destination slot {value} appears more than once; the slots a "
+        f"{'backup' if direction == 'd2h' else 'load'} writes must be distinct (a repeated destination is a race)"
+    )
+
+
 def index_values(direction: str, dev_idx: torch.Tensor, n_dev: int, host_idx: torch.Tensor, n_host: int) -> None:
     """IndexError for a slot outside its pool, ValueError for a repeated destination slot; at most one
-    device-to-host transfer (one sync for CUDA indices), whatever the index devices."""
+    device-to-host transfer (one sync for CUDA indices), whatever the index devices. CPU indices take
+    one compiled pass when the extension is built (the same faults, in the same order)."""
     if dev_idx.numel() == 0:
         return
     d2h = direction == "d2h"
+    if dev_idx.is_cpu and host_idx.is_cpu:
+        check = _index_faults()
+        if check is not None:
+            fault = check(dev_idx.numpy(), n_dev, host_idx.numpy(), n_host, d2h)
+            if fault is not None:
+                side, kind, value = fault
+                name, n = ("device_indices", n_dev) if side == 0 else ("host_indices", n_host)
+                _raise_fault(direction, name, kind, value, n)
+            return
     sides = (("device_indices", dev_idx, n_dev, not d2h), ("host_indices", host_idx, n_host, d2h))
     stats = [_index_stats(idx, is_dst) for _, idx, _, is_dst in sides]
     if stats[0].device == stats[1].device:
@@ -247,11 +279,7 @@ def index_values(direction: str, dev_idx: torch.Tensor, n_dev: int, host_idx: to
     parts = (values[: stats[0].numel()], values[stats[0].numel() :])
     for (name, _, n, _), (lo, hi, *_) in zip(sides, parts, strict=True):
         if lo < 0 or hi >= n:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"{name}: index {bad} is outside the pool's {n} slots [0, {n})")
-    for (name, _, _, is_dst), (_, _, *repeat) in zip(sides, parts, strict=True):
+            _raise_fault(direction, name, 1, lo if lo < 0 else hi, n)
+    for (name, _, n, is_dst), (_, _, *repeat) in zip(sides, parts, strict=True):
         if is_dst and repeat and repeat[0]:
-            raise ValueError(
-                f"{name}: destination slot {repeat[1]} appears more than once; the slots a "
-                f"{'backup' if d2h else 'load'} writes must be distinct (a repeated destination is a race)"
-            )
+            _raise_fault(direction, name, 2, repeat[1], n)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import random
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from hicache_kernels import BackendUnavailableError, ops
+from hicache_kernels import BackendUnavailableError, _validate, ops
 
 from kvdata import Pools, expected_after, make_pools, poison_, random_bytes_
 
@@ -385,3 +387,36 @@ def test_pools_in_disjoint_views_of_one_buffer_are_fine(direction, backend):
     exp = expected_after(pools, direction, d_idx, h_idx, layer_id=None)
     ops.transfer(direction, k, v, host, d_idx, h_idx, layout="page_first", page_size=4, backend=backend)
     assert pools.equal(exp)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_compiled_and_torch_index_checks_agree(direction, monkeypatch):
+    """CPU indices take one compiled pass when the extension is built; the torch path (CUDA indices,
+    pure-Python builds) must refuse the same calls with the same message, range faults first."""
+    compiled = _validate._index_faults()
+    if compiled is None:
+        pytest.skip("the extension is not built: only the torch path exists")
+    rng = random.Random(direction)
+    kinds = collections.Counter()
+    for _ in range(400):
+        n = rng.randint(1, 10)
+        sorted_dst = rng.random() < 0.3  # ascending destinations take the compiled path's no-sort branch
+        span = rng.choice([8, 40])  # a narrow span repeats destinations often
+
+        def draw(size: int, span: int = span) -> int:
+            return rng.choice([-1, size]) if rng.random() < 0.04 else rng.randrange(min(span, size))
+
+        dev, host = [draw(20) for _ in range(n)], [draw(36) for _ in range(n)]
+        if sorted_dst:
+            (host if direction == "d2h" else dev).sort()
+        outcomes = []
+        for check in (compiled, None):
+            monkeypatch.setattr(_validate, "_INDEX_FAULTS", check)
+            try:
+                _validate.index_values(direction, torch.tensor(dev), 20, torch.tensor(host), 36)
+                outcomes.append(None)
+            except (IndexError, ValueError) as exc:
+                outcomes.append((type(exc), str(exc)))
+        assert outcomes[0] == outcomes[1], (dev, host)
+        kinds[None if outcomes[0] is None else outcomes[0][0]] += 1
+    assert all(kinds[k] >= 20 for k in (None, IndexError, ValueError)), kinds
