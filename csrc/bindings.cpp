@@ -10,12 +10,14 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 #include <vector>
 
 #include "build_facts.h"
+#include "candidate_heap.h"
 #include "copy_engine.h"
 #include "page_checksum.h"
 #include "page_stack.h"
@@ -587,6 +589,23 @@ class PyPageStack {
   py::tuple owned_keep_;  // likewise the owners' arrays
 };
 
+// One tier's eviction candidates over a PyRadixTree's counters (hicache.candidates); keeps the
+// tree alive.
+class PyCandidateHeap {
+ public:
+  PyCandidateHeap(py::object tree, int policy, int64_t param) : keep_(tree) {
+    if (policy < 0 || policy > 4)
+      throw py::value_error("policy: expected 0..4 (lru, lfu, slru, fifo, priority)");
+    heap_ = std::make_unique<hicache::CandidateHeap>(
+        &tree.cast<PyRadixTree&>().core(), static_cast<hicache::PolicyKey>(policy), param);
+  }
+  hicache::CandidateHeap& heap() { return *heap_; }
+
+ private:
+  py::object keep_;
+  std::unique_ptr<hicache::CandidateHeap> heap_;
+};
+
 void bind_radix_tree(py::module_& m) {
   m.def("checksum_words", &checksum_words, py::arg("data"), py::arg("first"), py::arg("sum"),
         "The file backend's page checksum over whole 8-byte words (hicache.storage.checksum).");
@@ -612,6 +631,26 @@ void bind_radix_tree(py::module_& m) {
            "Move whole pages in order between states (see hicache.paged_slots); the new top, or -1 "
            "with nothing changed for anything the general path must decide.");
 
+  py::class_<PyCandidateHeap>(
+      m, "CandidateHeap",
+      "One tier's eviction candidates in policy order (see hicache.candidates).")
+      .def(py::init<py::object, int, int64_t>(), py::arg("tree"), py::arg("policy"),
+           py::arg("param"))
+      .def(
+          "push", [](PyCandidateHeap& h, int64_t id) { h.heap().push(id); }, py::arg("id"))
+      .def("pop", [](PyCandidateHeap& h) { return h.heap().pop(); })
+      .def(
+          "key",
+          [](PyCandidateHeap& h, int64_t id) {
+            auto k = h.heap().key(id);
+            return py::make_tuple(k[0], k[1], k[2], k[3]);
+          },
+          py::arg("id"))
+      .def("__len__", [](PyCandidateHeap& h) { return h.heap().size(); })
+      .def(
+          "__contains__", [](PyCandidateHeap& h, int64_t id) { return h.heap().queued(id); },
+          py::arg("id"))
+      .def("clear", [](PyCandidateHeap& h) { h.heap().clear(); });
   using hicache::RadixTree;
   py::class_<PyRadixTree>(
       m, "RadixTree",

@@ -1059,7 +1059,7 @@ def test_layer_counter_with_overlapping_load_batches(monkeypatch):
         cache.start_loading()  # batch 2, queued behind batch 1
         gates[0].set()
         deadline = time.monotonic() + 10
-        while cache.controller.ack_load_queue.qsize() < 1 and time.monotonic() < deadline:
+        while len(cache.controller.ack_load_queue) < 1 and time.monotonic() < deadline:
             time.sleep(0.001)
         # Batch 1 is done, batch 2 waits at its first layer: no layer of the current batch is there.
         with pytest.raises(TimeoutError):

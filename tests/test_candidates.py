@@ -9,6 +9,8 @@ import random
 
 import pytest
 
+from hicache import policies
+from hicache.candidates import Candidates, CompiledCandidates
 from hicache.invariants import check_kept
 
 from test_cache_stress import Driver, build
@@ -83,4 +85,40 @@ def test_a_custom_policy_takes_the_sorting_path(each_tree_core):
     d.run_random(200, seed=4)
     d.drain(sample=4)
     check_kept(cache)
+    cache.close()
+
+
+class MonotonicLRU(policies.LRU):
+    """A subclass of a built-in policy: it may change ``key``, so it keeps the Python heap."""
+
+    name = "lru-subclass"
+
+
+@pytest.mark.parametrize("policy", [*POLICIES, "subclass"])
+def test_which_heap_serves_which_policy(each_tree_core, policy):
+    """Built-in policies over the compiled core keep their heaps in the core; the Python core and any
+    other monotonic policy keep the Python heap (victims equal the walk's either way, tested above)."""
+    cache = build(device_slots=32, page_size=1, eviction_policy=MonotonicLRU() if policy == "subclass" else policy)
+    want = CompiledCandidates if each_tree_core == "compiled" and policy != "subclass" else Candidates
+    assert type(cache._device_candidates) is want and type(cache._host_candidates) is want
+    cache.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_compiled_heap_keys_are_the_policy_keys(each_tree_core, policy):
+    """The core computes each built-in policy's key from its counters: the same order as the policy's
+    own ``key`` (the compiled key pads with zeros after the node id)."""
+    if each_tree_core != "compiled":
+        pytest.skip("the compiled heap exists over the compiled core only")
+    cache = build(device_slots=48, page_size=2, eviction_policy=policy)
+    d = Driver(cache, seed=11, max_pages=6)
+    d.run_random(120, seed=12)
+    nodes = cache._nodes()
+    assert len(nodes) > 10
+    heap = cache._device_candidates._heap
+    for n in nodes:
+        want = cache.policy.key(n)
+        got = heap.key(n.id)
+        assert tuple(int(v) for v in want) == got[: len(want)] and not any(got[len(want) :])
+    d.drain(sample=4)
     cache.close()

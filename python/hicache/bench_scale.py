@@ -1,10 +1,10 @@
 """The cache at serving scale: host time per request of the engine's call sequence, device pool full.
 
 What :class:`~hicache.engine.Engine` does per request on the scheduler's thread is timed, one request
-per step: the step's acks (``check_loads``, ``check_writes``), ``match_prefix`` and ``inc_lock_ref``;
-room for the request past its device hit (``evict``); the host hit locked, ``load_back`` and
-``start_loading``; then ``alloc``, ``insert``, the frees and ``dec_lock_ref``. These four phases are
-the split reported (``acks_match``, ``room``, ``load_back``, ``insert``).
+per step: the step's acks (``check_acks``: backups and load-backs in one agreement), ``match_prefix``
+and ``inc_lock_ref``; room for the request past its device hit (``evict``); the host hit locked,
+``load_back`` and ``start_loading``; then ``alloc``, ``insert``, the frees and ``dec_lock_ref``. These
+four phases are the split reported (``acks_match``, ``room``, ``load_back``, ``insert``).
 
 Copies cost nothing: CPU pools of one layer, one head and ``head_dim`` elements, the controller inline
 (``threaded=False``: a copy is issued on the calling thread, where issue 21 puts it) on the io-backend
@@ -162,8 +162,7 @@ def _serve(cache: HiRadixCache, dev: DeviceKVPool, prompt: list[int]) -> tuple[i
     need = -(-fed // ps) * ps
     key_len = fed - fed % ps
     t0 = time.perf_counter_ns()
-    cache.check_loads()
-    cache.check_writes()
+    cache.check_acks()
     m = cache.match_prefix(prompt[:-1])
     cache.inc_lock_ref(m.last_device_node)
     locked = [m.last_device_node]
@@ -254,8 +253,7 @@ def run_size(device_slots: int, cfg: ScaleConfig) -> dict[str, Any]:
                 evicting += evicted
                 device_hits += dh > 0
                 host_hits += hh > 0
-        cache.check_loads()
-        cache.check_writes()
+        cache.check_acks()
         if cfg.verify:
             cache.verify()
         after = census(cache)

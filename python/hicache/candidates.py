@@ -9,6 +9,10 @@ life (``policy.monotonic``): every candidate's current key is at least its store
 entry popped whose stored key is current is the least valuable candidate, as a full sort would find.
 A node is in the heap at most once (``_queued``), so the heap holds at most one entry per node.
 
+With the compiled tree core and a built-in policy, :class:`CompiledCandidates` keeps the same heap in
+the core (``hicache_kernels._C.CandidateHeap``: the keys come from the core's counters, no Python per
+entry); a custom policy keeps the Python heap, which calls its ``key``.
+
 A custom policy object without ``monotonic = True`` cannot be ordered this way: the cache then
 collects and sorts the candidates at each eviction (a walk of the tree, documented as the slow path).
 """
@@ -72,3 +76,69 @@ class Candidates:
         self._heap = [(self._key(n), n.id, n) for n in nodes if self._is_candidate(n)]
         heapq.heapify(self._heap)
         self._queued = {i for _, i, _ in self._heap}
+
+
+# The built-in policies (hicache.policies) by exact type, as the compiled heap's policy codes.
+_POLICY_CODES = {"LRU": 0, "LFU": 1, "SLRU": 2, "FIFO": 3, "Priority": 4}
+
+
+def compiled_policy(policy: Any) -> tuple[int, int] | None:
+    """``(code, param)`` of a built-in policy for :class:`CompiledCandidates`, or None for anything else
+    (a subclass may change ``key``: it keeps the Python heap)."""
+    from . import policies  # noqa: PLC0415
+
+    cls = type(policy)
+    if getattr(policies, cls.__name__, None) is not cls or cls.__name__ not in _POLICY_CODES:
+        return None
+    return _POLICY_CODES[cls.__name__], int(getattr(policy, "protected_hits", 0))
+
+
+class CompiledCandidates:
+    """:class:`Candidates` kept in the compiled tree core, for a built-in policy (same interface and
+    the same order: the core computes the policy's key from its counters).
+
+    Parameters
+    ----------
+    tree : the cache's :class:`~hicache.tree_core.CompiledTree`.
+    code : ``compiled_policy(policy)``.
+    is_candidate : whether a node is a candidate now (called on pop, as :class:`Candidates` does).
+    """
+
+    def __init__(self, tree: Any, code: tuple[int, int], is_candidate: Callable[[Any], bool]) -> None:
+        from hicache_kernels._ext import load_extension  # noqa: PLC0415
+
+        self._tree = tree
+        self._heap = load_extension().CandidateHeap(tree.core, *code)
+        self._push = self._heap.push
+        self._is_candidate = is_candidate
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __contains__(self, node_id: int) -> bool:
+        return node_id in self._heap
+
+    def push(self, node: Any) -> None:
+        """``node`` may have become a candidate (checked when popped)."""
+        self._push(node.id)
+
+    def push_all(self, nodes: Iterable[Any]) -> None:
+        push = self._push
+        for node in nodes:
+            push(node.id)
+
+    def pop(self) -> Any | None:
+        """The least valuable candidate (taken out of the heap), or None when there is none."""
+        pop, node = self._heap.pop, self._tree.node
+        while True:
+            node_id = pop()
+            if node_id < 0:
+                return None
+            x = node(node_id)
+            if self._is_candidate(x):
+                return x
+
+    def rebuild(self, nodes: Iterable[Any]) -> None:
+        """Start over from ``nodes`` (every candidate among them is queued): a walk, for inspection paths."""
+        self._heap.clear()
+        self.push_all(n for n in nodes if self._is_candidate(n))

@@ -32,7 +32,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -308,8 +308,9 @@ class HiCacheController:
         events = self.device if self.device.has_events else None
         self.layer_counter = LayerDoneCounter(device_pool.num_layers, events=events)
         # Issued copies in issue order, per kind; taken by finished_* once their done events complete.
-        self.ack_write_queue: queue.Queue[_Ack] = queue.Queue()
-        self.ack_load_queue: queue.Queue[_Ack] = queue.Queue()
+        # (deques: appended by the issuing thread, a worker or the caller's; emptied by the caller's)
+        self.ack_write_queue: deque[_Ack] = deque()
+        self.ack_load_queue: deque[_Ack] = deque()
         self._acks_seen: dict[str, list[_Ack]] = {"write": [], "load": []}  # pulled off a queue, not yet taken
         self._write_queue: queue.Queue[Any] = queue.Queue()
         self._load_queue: queue.Queue[Any] = queue.Queue()
@@ -464,7 +465,7 @@ class HiCacheController:
                 done = None
                 ack.error = ack.error or exc
             ack.done = done
-            acks.put(ack)
+            acks.append(ack)
         if ack.error is not None and not self.threaded and not isinstance(ack.error, Exception):
             raise ack.error  # KeyboardInterrupt on the caller's thread stays an interrupt
 
@@ -505,15 +506,12 @@ class HiCacheController:
                    what=f"{what} of nodes {op.node_ids}")  # fmt: skip
 
     # ------------------------------------------------------------------ completions
-    def _landed(self, kind: str, q: queue.Queue) -> list[_Ack]:
+    def _landed(self, kind: str, q: deque) -> list[_Ack]:
         """The acks of ``kind`` issued and not yet taken, in issue order (:meth:`_count_landed` says how
         many lead whose done events completed: a copy's ack is taken only after its work landed)."""
         seen = self._acks_seen[kind]
-        while True:
-            try:
-                seen.append(q.get_nowait())
-            except queue.Empty:
-                break
+        while q:  # popleft is atomic: an ack appended meanwhile is taken now or at the next check
+            seen.append(q.popleft())
         return seen
 
     def _count_landed(self, seen: list[_Ack]) -> int:
@@ -555,7 +553,7 @@ class HiCacheController:
             out[kind] = (n, [1 - int(x) for x in v[base + 1 : base + 1 + n].tolist()])
         return out
 
-    def _ack_queues(self, kinds: tuple[str, ...]) -> list[tuple[str, queue.Queue]]:
+    def _ack_queues(self, kinds: tuple[str, ...]) -> list[tuple[str, deque]]:
         for kind in kinds:
             if kind not in ("write", "load"):
                 raise ValueError(f"kinds: expected 'write' and/or 'load', got {kind!r}")
@@ -661,7 +659,7 @@ class HiCacheController:
                         continue
                     if op.kind == "load":
                         self.layer_counter.abort(op.generation, "controller closed")
-                    acks.put(_Ack(op.kind, op.node_ids, error, generation=op.generation))
+                    acks.append(_Ack(op.kind, op.node_ids, error, generation=op.generation))
                 finally:
                     q.task_done()
 
@@ -690,7 +688,7 @@ class HiCacheController:
                     self._drop_queued(dropped)
             finally:
                 for op in self._pending_loads:  # loads never started (drain=False, or start failed)
-                    self.ack_load_queue.put(_Ack("load", op.node_ids, dropped))
+                    self.ack_load_queue.append(_Ack("load", op.node_ids, dropped))
                 self._pending_loads.clear()
                 if self._finalizer is not None:
                     self._finalizer()  # the stop markers, queued behind what is still to run

@@ -27,10 +27,11 @@ class CopyAcks:
     ``_inflight_loads``, ``_lost`` and its device-slot record ``_slots``."""
 
     def _backup(self: HiRadixCache, node: TreeNode) -> bool:
-        host = self.controller.write(node.value, node.id, count_refusal=False)
-        if host is None:
-            self.evict_host(len(node.value))
-            host = self.controller.write(node.value, node.id)
+        value = node.value
+        n = len(value)
+        if self.host_pool.available_size() < n:  # a full host pool (the steady state): make room first
+            self.evict_host(n - self.host_pool.available_size())
+        host = self.controller.write(value, node.id)
         if host is None:
             return False
         self._started_backup(node, host)

@@ -73,7 +73,7 @@ class Eviction:
         freed = 0
         # Children before parents: a parent is only evictable once its device children are gone.
         for x in chosen:
-            freed += len(x.value)
+            freed += x.num_tokens
             self._drop_device(x)
         self.metrics.device_evicted_tokens += freed
         return freed

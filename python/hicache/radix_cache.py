@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .candidates import Candidates
+from .candidates import Candidates, CompiledCandidates, compiled_policy
 from .controller import CacheMetrics, HiCacheController
 from .copy_acks import CopyAcks
 from .eviction import Eviction
@@ -176,8 +176,15 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         self._protected = 0
         self._chosen: set[int] = set()  # the nodes an eviction in progress has picked
         ordered = getattr(self.policy, "monotonic", False) is True
-        self._device_candidates = Candidates(self.policy.key, self._is_device_candidate) if ordered else None
-        self._host_candidates = Candidates(self.policy.key, self._is_host_candidate) if ordered else None
+        code = compiled_policy(self.policy) if self._tree is not None else None
+        self._device_candidates: Candidates | CompiledCandidates | None = None
+        self._host_candidates: Candidates | CompiledCandidates | None = None
+        if code is not None:  # a built-in policy over the compiled core: the heaps live in the core
+            self._device_candidates = CompiledCandidates(self._tree, code, self._is_device_candidate)
+            self._host_candidates = CompiledCandidates(self._tree, code, self._is_host_candidate)
+        elif ordered:
+            self._device_candidates = Candidates(self.policy.key, self._is_device_candidate)
+            self._host_candidates = Candidates(self.policy.key, self._is_host_candidate)
         self._inflight_writes: dict[int, tuple[TreeNode, torch.Tensor]] = {}
         self._inflight_loads: dict[int, tuple[TreeNode, torch.Tensor, float]] = {}
         # Nodes whose load-back failed while others held them locked: device KV lost, dropped at the last unlock.
@@ -485,7 +492,10 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         if node.lock_ref or node.evicted:
             return False
         chosen = self._chosen
-        return all(c.evicted or c.id in chosen for c in self._child_nodes(node))
+        if self._tree is not None:  # ids straight from the core: no handle per child
+            core = self._tree.core
+            return all(c in chosen or not core.has_value(c) for c in core.children(node.id))
+        return all(c.evicted or c.id in chosen for c in node.children.values())
 
     def _is_host_candidate(self, node: Any) -> bool:
         """Host-only, unlocked, childless, and no storage backup reading its host copy."""
@@ -493,7 +503,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
             not node.lock_ref
             and node.evicted
             and node.host_value is not None
-            and not self._child_nodes(node)
+            and not (self._tree.core.children(node.id) if self._tree is not None else node.children)
             and not self._host_pinned(node)
         )
 
