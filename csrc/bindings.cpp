@@ -260,7 +260,10 @@ void token_ids(py::handle tokens, int64_t n, std::vector<int64_t>* out) {
     if (Py_SIZE(obj) < n)
       throw py::value_error("tokens: fewer than " + std::to_string(n) + " token ids");
     PyObject** items = PyList_Check(obj) ? &PyList_GET_ITEM(obj, 0) : &PyTuple_GET_ITEM(obj, 0);
+    constexpr int64_t kAhead = 16;  // a prompt's int objects are scattered: fetch ahead of the reads
+    for (int64_t i = 0; i < std::min(n, kAhead); ++i) __builtin_prefetch(items[i]);
     for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) __builtin_prefetch(items[i + kAhead]);
       PyObject* item = items[i];
       long long v;
       if (PyLong_CheckExact(item)) {

@@ -44,9 +44,9 @@ def test_bench_tree_writes_json_with_the_workloads_hit_rate(tmp_path):
     assert data["tree_cores"] == (["compiled", "python"] if compiled else ["python"])
     for row in data["results"]:
         assert row["tree_core"] == data["tree_cores"][0]
-        runs = [row["hicache"], *([row["hicache_python"]] if compiled else [])]
+        runs = [row["hicache"], row["hicache_array"], *([row["hicache_python"]] if compiled else [])]
         assert ("hicache_python" in row) == compiled
-        for h in runs:  # both cores: the workload's exact hit rate
+        for h in runs:  # both cores, lists and array('q') prompts: the workload's exact hit rate
             assert h["requests_per_s"] > 0 and len(h["times_s"]) == 2 and "sglang" not in row
             assert h["hit_rate"] == reference_hits(requests, row["page_size"]) / total
 
@@ -211,12 +211,14 @@ def test_sglang_latest_rows_merge_only_for_the_same_requests():
         sgl = {"requests_per_s": 100.0, "hit_rate": 0.5}
         return {"available": True, "version": "0.5.23", "requests_digest": digest, "results": {"16": sgl}}
 
-    out = {"results": [{"page_size": 16, "hicache": dict(ours)}]}
+    same_input = {"requests_per_s": 400.0, "hit_rate": 0.5}  # ours on array('q') prompts, as SGLang's side
+    out = {"results": [{"page_size": 16, "hicache": dict(ours), "hicache_array": dict(same_input)}]}
     add_sglang_latest(out, child(requests_digest(requests)), requests)
     (row,) = out["results"]
     assert out["sglang_latest"]["available"] and row["speedup_vs_sglang_latest"] == 3.0
+    assert row["speedup_vs_sglang_latest_same_input"] == 4.0
     assert row["hit_rates_equal_latest"] is True and "results" not in out["sglang_latest"]
-    out = {"results": [{"page_size": 16, "hicache": dict(ours)}]}
+    out = {"results": [{"page_size": 16, "hicache": dict(ours), "hicache_array": dict(same_input)}]}
     add_sglang_latest(out, child(requests_digest(requests[:-1])), requests)
     assert out["sglang_latest"] == {
         "available": False, "reason": "the SGLang child process ran different requests (digest mismatch)"

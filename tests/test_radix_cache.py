@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import threading
 
 import numpy as np
@@ -503,6 +504,8 @@ def test_tokens_of_any_integer_type_match_the_same_prefix(page_size):
             np.array(toks),
             [np.int64(t) for t in toks],
             toks[:7] + [np.int32(toks[7])] + toks[8:],
+            array.array("q", toks),  # SGLang's Req holds its ids so
+            array.array("I", toks),
         ):
             got = c.match_prefix(form).device_indices
             assert torch.equal(got, want), type(form)

@@ -9,6 +9,7 @@ Ids match because both cores number nodes in the same order (a split's upper nod
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import random
 
@@ -232,6 +233,7 @@ def test_token_source_and_page_key_agree():
             key = page_key(toks, ps)
             assert list(key) == toks[: len(toks) - len(toks) % ps]
             assert list(token_source(torch.tensor(toks, dtype=torch.int64))) == toks
+            assert list(token_source(array.array("q", toks))) == toks  # read in place: no int objects
 
 
 # ---------------------------------------------------------------------------------------------------

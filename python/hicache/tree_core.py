@@ -17,6 +17,7 @@ else the Python one; ``cache.tree_core`` says which, ``cache.tree_core_reason`` 
 
 from __future__ import annotations
 
+import array
 import os
 from typing import Any
 
@@ -67,12 +68,18 @@ def choose_core(tree_core: str | None) -> tuple[str, str]:
     return "python", f"the compiled core cannot be used: {reason}"
 
 
+_INT_TYPECODES = frozenset("bBhHiIlLqQ")
+
+
 def token_source(tokens: Any) -> Any:
     """``tokens`` in a form the core converts in one pass: lists and tuples as they are (each item an
-    int or anything with ``__index__``), tensors and arrays as 1-D integer numpy arrays; ``TypeError``
-    naming ``tokens`` for float or non-1-D data."""
+    int or anything with ``__index__``), tensors, numpy arrays and integer ``array.array`` s (SGLang's
+    ``Req`` holds its ids in an ``array('q')``) as 1-D integer numpy arrays over the same memory;
+    ``TypeError`` naming ``tokens`` for float or non-1-D data."""
     if type(tokens) is list or type(tokens) is tuple:
         return tokens
+    if type(tokens) is array.array and tokens.typecode in _INT_TYPECODES:  # what SGLang's Req holds: read in place
+        return np.frombuffer(tokens, dtype=tokens.typecode) if len(tokens) else np.empty(0, dtype=np.int64)
     if isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(f"tokens: expected integer token ids, got a {tokens.dtype} tensor")
