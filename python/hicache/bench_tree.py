@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from hicache_kernels.benchutil import run_meta
+
 from . import bench_scale, bench_sglang
 from .pools import DeviceKVPool, HostKVPool
 from .radix_cache import HiRadixCache
@@ -452,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slots {row['slots']:>5} (page {row['page_size']}): alloc + 4 state changes + free "
               f"{row['us_per_cycle']:7.1f} us per request")  # fmt: skip
     if a.json:
+        out["meta"] = run_meta("hicache.bench_tree", {k: v for k, v in vars(a).items() if k != "json"})
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
             f.write("\n")
