@@ -4,6 +4,7 @@ two processes sharing a directory. Every test runs on both tree cores."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -460,3 +461,34 @@ def test_two_processes_share_a_directory(tmp_path, each_tree_core):
     with make(FileBackend(tmp_path)) as b:  # this process never computed TOKENS
         assert prefetch(b, TOKENS)
         assert load_and_check(b, TOKENS) == 48
+
+
+def test_a_step_agrees_its_copies_and_storage_backups_in_one_collective(tmp_path, monkeypatch):
+    """check_acks takes the landed backups, load-backs AND the storage tier's landed backups with ONE
+    all-reduce (a TP group of one here; the tier used to agree its own count in a second)."""
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+                           dtype=torch.float32, device="cpu", page_size=4)  # fmt: skip
+        host = HostKVPool(dev, layout="page_first", ratio=3.0, safety_margin_gb=0.0)
+        cache = HiRadixCache(dev, host, io_backend="direct", threaded=False, storage=FileBackend(str(tmp_path / "s")),
+                             model_id="m", tp_group=dist.group.WORLD)  # fmt: skip
+        calls = []
+        real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1])
+        prefill(cache, TOKENS)
+        cache.controller.flush()
+        assert cache.check_acks() >= 1  # the host backups land; their storage backups start
+        cache._storage.wait_backups()
+        cache.check_acks()  # the storage backups landed: taken here at the latest
+        assert len(calls) == 2  # one per step: copies and storage backups in one vector
+        monkeypatch.undo()
+        assert cache._storage.landed_backups() == 0 and not cache._inflight_storage
+        assert cache.metrics.storage_pages_written == len(TOKENS) // 4
+        cache.verify()
+        cache.close()
+        del cache
+    finally:
+        gc.collect()  # what still holds the group goes before it (see tests/tpharness.py)
+        dist.destroy_process_group()

@@ -530,20 +530,25 @@ class HiCacheController:
     # the next check.
     ACK_WINDOW = 64
 
-    def _agree_landed(self, kinds: tuple[str, ...]) -> dict[str, tuple[int, list[int]]]:
+    def _agree_landed(
+        self, kinds: tuple[str, ...], counts: dict[str, int]
+    ) -> tuple[dict[str, tuple[int, list[int]]], dict[str, int]]:
         """Per kind, how many leading acks landed on every rank and, for each, whether it failed on any
-        rank: ONE collective for all ``kinds`` (a MIN over ``[count, ok flags...]`` per kind; a flag is 1
-        where the copy completed, so the MIN says whether every rank's did)."""
+        rank; and the minimum over ranks of each of ``counts``: ONE collective for all of it (a MIN over
+        ``[count, ok flags...]`` per kind, then the counts; a flag is 1 where the copy completed, so the
+        MIN says whether every rank's did)."""
         seens = {kind: self._landed(kind, q) for kind, q in self._ack_queues(kinds)}
         local = {kind: self._count_landed(seen) for kind, seen in seens.items()}
         if self.tp_group is None:
-            return {k: (n, [int(a.error is not None) for a in seens[k][:n]]) for k, n in local.items()}
+            acks = {k: (n, [int(a.error is not None) for a in seens[k][:n]]) for k, n in local.items()}
+            return acks, {name: int(c) for name, c in counts.items()}
         w = self.ACK_WINDOW
         values: list[int] = []
         for kind in kinds:
             n = min(local[kind], w)
             ok = [int(ack.error is None) for ack in seens[kind][:n]]
             values += [n, *ok, *[1] * (w - n)]  # 1 (neutral for MIN) beyond the acks this rank has
+        values += [int(c) for c in counts.values()]
         v = torch.tensor(values, dtype=torch.int64)
         torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
         out = {}
@@ -551,7 +556,8 @@ class HiCacheController:
             base = j * (w + 1)
             n = int(v[base])
             out[kind] = (n, [1 - int(x) for x in v[base + 1 : base + 1 + n].tolist()])
-        return out
+        tail = v[len(kinds) * (w + 1) :].tolist()
+        return out, dict(zip(counts, tail, strict=True))
 
     def _ack_queues(self, kinds: tuple[str, ...]) -> list[tuple[str, deque]]:
         for kind in kinds:
@@ -559,16 +565,25 @@ class HiCacheController:
                 raise ValueError(f"kinds: expected 'write' and/or 'load', got {kind!r}")
         return [(k, self.ack_write_queue if k == "write" else self.ack_load_queue) for k in kinds]
 
-    def finished(self, kinds: tuple[str, ...] = ("write", "load")) -> dict[str, list[tuple[int, BaseException | None]]]:
+    def finished(
+        self, kinds: tuple[str, ...] = ("write", "load"), counts: dict[str, int] | None = None
+    ) -> dict[str, Any]:
         """The copies of ``kinds`` that landed on every rank, per kind in submission order, agreed in ONE
         collective (with a TP group, at most :attr:`ACK_WINDOW` per kind and call): ``(node_id, None)`` for a completed
         copy, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`), or that
         completed here but failed on another rank (:class:`CopyFailedOnPeer`: every rank rolls it back,
         so the trees stay alike). Backups' host slots are still WRITING: the caller marks them synced,
         or aborts them. Works after close too: the owner must still take the acks of drained and dropped
-        copies."""
-        agreed = self._agree_landed(kinds)
-        result: dict[str, list[tuple[int, BaseException | None]]] = {}
+        copies.
+
+        ``counts``: other per-step numbers to agree in the same collective (e.g. the storage tier's
+        landed backups); their minimum over the ranks comes back under ``"counts"``."""
+        extra = {} if counts is None else counts
+        for name in extra:
+            if name in ("write", "load", "counts"):
+                raise ValueError(f"counts: {name!r} is a kind of copy, not a count name")
+        agreed, agreed_counts = self._agree_landed(kinds, extra)
+        result: dict[str, Any] = {"counts": agreed_counts}
         for kind in kinds:
             n, flags = agreed[kind]
             seen = self._acks_seen[kind]

@@ -124,14 +124,15 @@ class CopyAcks:
         return n
 
     def check_acks(self: HiRadixCache) -> int:
-        """Process the finished backups and load-backs of this step together, agreed across TP ranks in
-        one collective (:meth:`check_writes` and :meth:`check_loads` take one each), then the storage
-        backups. Returns how many copies were processed; raises :class:`CopyError` after rolling back
-        failed ones. What a scheduler calls once per step."""
+        """Process the finished backups and load-backs of this step and the storage tier's finished
+        backups together, agreed across TP ranks in ONE collective (:meth:`check_writes` and
+        :meth:`check_loads` take one or two each). Returns how many copies were processed; raises
+        :class:`CopyError` after rolling back failed ones. What a scheduler calls once per step."""
         failures: list = []
-        done = self.controller.finished()
+        counts = None if self._storage is None else {"storage": self._storage.landed_backups()}
+        done = self.controller.finished(counts=counts)
         n = self._take_writes(failures, done["write"]) + self._take_loads(failures, done["load"])
-        self._take_storage()
+        self._take_storage(done["counts"].get("storage"))
         self._raise(failures)
         return n
 

@@ -133,13 +133,14 @@ class StorageOps:
         self._inflight_storage.setdefault(node.id, []).append(node)
         self._storage.submit_backup(node.id, keys, host)
 
-    def _take_storage(self: HiRadixCache) -> int:
-        """Process the storage backups finished on every rank: unlock their nodes, count; free the host
-        slots the backend has let go of."""
+    def _take_storage(self: HiRadixCache, agreed: int | None = None) -> int:
+        """Process the storage backups finished on every rank (``agreed`` of them when the step's one
+        agreement counted them, else agreed here): unlock their nodes, count; free the host slots the
+        backend has let go of."""
         if self._storage is None:
             return 0
         self._reap_zombies()
-        done = self._storage.finished_backups()
+        done = self._storage.finished_backups(agreed)
         m = self.metrics
         page_bytes = self.host_pool.page_bytes
         for node_id, written, skipped, _pages, seconds, error in done:

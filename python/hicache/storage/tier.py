@@ -200,10 +200,20 @@ class StorageTier:
                 error = exc
         self._backup_acks.put((node_id, written, skipped, len(keys), time.perf_counter() - t0, error))
 
-    def finished_backups(self) -> list[tuple[int, int, int, int, float, BaseException | None]]:
-        """Backups finished on every rank (agreed count), in submission order:
-        ``(node_id, pages_written, pages_already_stored, pages, seconds, error)``."""
-        n = self.agree_min(self._backup_acks.qsize())
+    def landed_backups(self) -> int:
+        """Backups finished on this rank whose acks :meth:`finished_backups` has not taken yet."""
+        return self._backup_acks.qsize()
+
+    def finished_backups(
+        self, agreed: int | None = None
+    ) -> list[tuple[int, int, int, int, float, BaseException | None]]:
+        """Backups finished on every rank, in submission order:
+        ``(node_id, pages_written, pages_already_stored, pages, seconds, error)``. ``agreed``: how many,
+        when the caller agreed :meth:`landed_backups` across the ranks already (in its step's one
+        collective); else agreed here (one collective)."""
+        n = self.agree_min(self._backup_acks.qsize()) if agreed is None else int(agreed)
+        if n > self._backup_acks.qsize():
+            raise ValueError(f"agreed: {n} backups, more than the {self._backup_acks.qsize()} landed here")
         return [self._backup_acks.get_nowait() for _ in range(n)]
 
     def wait_backups(self) -> None:
