@@ -492,3 +492,112 @@ def test_a_step_agrees_its_copies_and_storage_backups_in_one_collective(tmp_path
     finally:
         gc.collect()  # what still holds the group goes before it (see tests/tpharness.py)
         dist.destroy_process_group()
+
+
+CONVERSATIONS = [[(11 * i + 97 * c + 5) % 1000 for i in range(12)] for c in range(4)]  # 3 pages each
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_check_prefetches_admits_like_one_call_per_request(tmp_path, policy):
+    """Several prefetches checked in one call end as each checked alone would: the same requests admitted
+    (in the given order) and the same pages in the tree, read byte for byte."""
+    with make(FileBackend(tmp_path), threshold=8) as a:
+        for toks in CONVERSATIONS:
+            prefill(a, toks)
+        a.flush()
+    outcomes = []
+    for batched in (True, False):
+        with make(FileBackend(tmp_path), policy=policy, threshold=8) as b:
+            rids = []
+            for c, toks in enumerate(CONVERSATIONS):
+                assert b.prefetch_from_storage(f"r{c}", b.match_prefix(toks).last_host_node, toks)
+                rids.append(f"r{c}")
+            for p in b._prefetch_ops.values():
+                assert p.queried.wait(10)  # the queries are done: what a check does next is deterministic
+            admitted: list[str] = []
+            t0 = time.perf_counter()
+            while len(admitted) < len(rids):
+                assert time.perf_counter() - t0 < 10, "prefetches never finished"
+                left = [r for r in rids if r not in admitted]
+                got = b.check_prefetches(left) if batched else [r for r in left if b.check_prefetch_progress(r)]
+                assert got == [r for r in left if r in got]  # the given order
+                admitted += got
+                time.sleep(0.001)
+            hits = [b.match_prefix(toks).host_hit_length for toks in CONVERSATIONS]
+            if policy != "best_effort":
+                assert hits == [len(t) for t in CONVERSATIONS]  # every page read
+                for toks in CONVERSATIONS:
+                    assert load_and_check(b, toks) == len(toks)
+            b.verify()
+            outcomes.append((sorted(admitted), hits if policy != "best_effort" else None))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_check_prefetches_refuses_unknown_and_repeated_ids(tmp_path):
+    store(FileBackend(tmp_path))
+    with make(FileBackend(tmp_path)) as b:
+        assert b.prefetch_from_storage("r", b.match_prefix(TOKENS).last_host_node, TOKENS)
+        with pytest.raises(ValueError, match="request_id: no prefetch in flight for 'nope'"):
+            b.check_prefetches(["r", "nope"])
+        with pytest.raises(ValueError, match="request_ids: an id appears more than once"):
+            b.check_prefetches(["r", "r"])
+        assert "r" in b._prefetch_ops and b._prefetch_ops["r"].state == "query"  # nothing changed
+        assert b.check_prefetches([]) == []
+        t0 = time.perf_counter()
+        while not b.check_prefetches(["r"]):
+            assert time.perf_counter() - t0 < 10
+        b.verify()
+
+
+def test_check_prefetches_agrees_all_requests_in_one_collective(tmp_path, monkeypatch):
+    """With a TP group (of one here), a step's check of many prefetches whose reads are still going
+    costs one all-reduce (one per request per check before), and the step that ends them at most four."""
+    store_dir = tmp_path / "s"
+    with make(FileBackend(store_dir), threshold=8) as a:
+        for toks in CONVERSATIONS:
+            prefill(a, toks)
+        a.flush()
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+                           dtype=torch.float32, device="cpu", page_size=4)  # fmt: skip
+        host = HostKVPool(dev, layout="page_first", ratio=3.0, safety_margin_gb=0.0)
+        b = HiRadixCache(dev, host, io_backend="direct", storage=FileBackend(store_dir),  # reads on the I/O thread
+                         model_id="test-model", tp_group=dist.group.WORLD,
+                         prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=8))  # fmt: skip
+        gate = threading.Event()
+        real_read = b._storage.backend.batch_get_into
+
+        def held(*args, **kw):  # reads wait for the gate: the prefetches stay in flight
+            gate.wait(10)
+            return real_read(*args, **kw)
+
+        monkeypatch.setattr(b._storage.backend, "batch_get_into", held)
+        rids = [f"r{c}" for c in range(len(CONVERSATIONS))]
+        for rid, toks in zip(rids, CONVERSATIONS, strict=True):
+            assert b.prefetch_from_storage(rid, b.match_prefix(toks).last_host_node, toks)
+        for p in b._prefetch_ops.values():
+            assert p.queried.wait(10)
+        calls = []
+        real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1])
+        assert b.check_prefetches(rids) == []  # every read starts (two collectives) and none is done (a third)
+        assert len(calls) == 3 and all(p.state == "read" for p in b._prefetch_ops.values())
+        calls.clear()
+        assert b.check_prefetches(rids) == []  # reads in flight: one collective for all four
+        assert calls == [len(rids)]
+        gate.set()
+        for p in b._prefetch_ops.values():
+            assert p.finished.wait(10)
+        calls.clear()
+        assert b.check_prefetches(rids) == rids  # done everywhere: [done], then [landed]
+        assert len(calls) == 2
+        monkeypatch.undo()
+        assert b.metrics.storage_hit_tokens == sum(map(len, CONVERSATIONS))
+        b.verify()
+        b.close()
+        del b
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

@@ -79,17 +79,20 @@ SCENARIOS = {
 
 
 class AgreeRecorder:
-    """Wraps the controller's agreements (``agree_min`` and the ack agreement ``_agree_landed``, one
-    collective each call): counts the calls and records what each was given and returned."""
+    """Wraps the controller's agreements (``agree_min``, the ack agreement ``_agree_landed`` and
+    ``agree_all``, one collective each call): counts the calls and records what each was given and
+    returned."""
 
     def __init__(self, controller) -> None:
         self.inner = controller.agree_min
         self.inner_acks = controller._agree_landed
+        self.inner_all = controller.agree_all
         self.controller = controller
         self.inputs: list = []
         self.outputs: list = []
         controller.agree_min = self
         controller._agree_landed = self.acks
+        controller.agree_all = self.all
 
     def __call__(self, value: int) -> int:
         out = self.inner(value)
@@ -97,12 +100,19 @@ class AgreeRecorder:
         self.outputs.append(out)
         return out
 
-    def acks(self, kinds):
+    def acks(self, kinds, counts):
         c = self.controller
         seens = {kind: c._landed(kind, q) for kind, q in c._ack_queues(kinds)}
-        self.inputs.append(tuple(c._count_landed(seens[k]) for k in kinds))
-        out = self.inner_acks(kinds)
-        self.outputs.append(tuple((k, out[k][0], tuple(out[k][1])) for k in kinds))
+        self.inputs.append((*(c._count_landed(seens[k]) for k in kinds), *counts.values()))
+        out, agreed = self.inner_acks(kinds, counts)
+        acks = tuple((k, out[k][0], tuple(out[k][1])) for k in kinds)
+        self.outputs.append((*acks, *((n, v, ()) for n, v in agreed.items())))
+        return out, agreed
+
+    def all(self, values):
+        out = self.inner_all(values)
+        self.inputs.append(tuple(values))
+        self.outputs.append(tuple(("all", v, ()) for v in out))
         return out
 
 

@@ -354,6 +354,15 @@ class HiCacheController:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
         return int(t.item())
 
+    def agree_all(self, values: list[int]) -> list[int]:
+        """The minimum over the TP group of each of ``values`` (every rank passes as many), in ONE
+        collective; ``values`` themselves without a group."""
+        if self.tp_group is None or not values:
+            return [int(v) for v in values]
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        return t.tolist()
+
     # ------------------------------------------------------------------ submitting copies
     def _check_open(self) -> None:
         if self._closed:

@@ -294,7 +294,7 @@ class Engine:
                     if storage and self._start_prefetch(req, prefetching):
                         continue
                     waiting.append(req)
-                for pid in [p for p in prefetching if cache.check_prefetch_progress(p)]:
+                for pid in cache.check_prefetches(list(prefetching)) if prefetching else ():  # one agreement
                     waiting.append(prefetching.pop(pid))
                     waiting.sort(key=lambda r: r.arrival)
                 new = self._admit_some(waiting, running, max_running, max_prefill_tokens, now)

@@ -29,6 +29,7 @@ Mixin of :class:`~hicache.radix_cache.HiRadixCache` (``storage=``). What it adds
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -225,76 +226,158 @@ class StorageOps:
         return True
 
     def check_prefetch_progress(self: HiRadixCache, request_id: Any) -> bool:
-        """Whether the request may be admitted (agreed across TP ranks, one to three collectives a
-        call, the same on every rank). The first call that finds the query done on every rank agrees
-        the hit (MIN), allocates host slots for it (making room in the host pool if needed) and
-        starts the read; the prefetch then ends by the policy: ``best_effort`` at once (a query not
-        done yet ends it with nothing), ``wait_complete`` when every page is read or failed,
-        ``timeout`` also at its deadline. When it ends, the pages that landed on every rank are in the
-        tree as a host-only node under the matched node (match again, then ``load_back``).
+        """Whether the request may be admitted: :meth:`check_prefetches` of this one request.
         ``ValueError`` for an unknown ``request_id``."""
-        self._check_open("check_prefetch_progress")
-        p = self._prefetch_ops.get(request_id)
-        if p is None:
-            raise ValueError(f"request_id: no prefetch in flight for {request_id!r}")
-        policy = self._storage.policy
-        agree = self.controller.agree_min
-        if p.state == "query":
-            if not agree(p.queried.is_set()):
-                if policy.name == "best_effort" or (
-                    policy.name == "timeout" and not agree(time.perf_counter() < p.deadline)
-                ):
-                    self._finish_prefetch(p, insert=False)
-                    return True
-                return False
-            if not self._start_read(p):
-                self._finish_prefetch(p, insert=False)
-                return True
-        if policy.name == "best_effort":
-            local = True
-        elif policy.name == "wait_complete":
-            local = p.complete
-        else:
-            local = p.complete or time.perf_counter() >= p.deadline
-        if not agree(local):
-            return False
-        self._finish_prefetch(p)
-        return True
+        return bool(self.check_prefetches([request_id]))
 
-    def _start_read(self: HiRadixCache, p: Prefetch) -> bool:
-        """After the query: agree the hit, allocate host slots, start the read. False when there is
-        nothing worth reading or no host room (agreed)."""
+    def check_prefetches(self: HiRadixCache, request_ids: Iterable[Any]) -> list[Any]:
+        """The requests among ``request_ids`` that may be admitted now, in the given order (every rank
+        passes the same ids in the same order). Agreed across TP ranks in one collective for all of
+        them when no prefetch changes state, and at most four when some do (the same on every rank),
+        whatever their number: what a scheduler calls once per step.
+
+        A prefetch whose query is done on every rank has its hit agreed (MIN), host slots allocated
+        for it (making room in the host pool if needed) and its read started; a prefetch then ends by
+        the policy: ``best_effort`` at once (a query not done yet ends it with nothing),
+        ``wait_complete`` when every page is read or failed, ``timeout`` also at its deadline. When it
+        ends, the pages that landed on every rank are in the tree as a host-only node under the matched
+        node (match again, then ``load_back``). ``ValueError`` for an unknown or repeated id, before
+        anything changes."""
+        self._check_open("check_prefetches")
+        ids = list(request_ids)
+        ops: list[Prefetch] = []
+        for rid in ids:
+            p = self._prefetch_ops.get(rid)
+            if p is None:
+                raise ValueError(f"request_id: no prefetch in flight for {rid!r}")
+            ops.append(p)
+        if len({id(p) for p in ops}) != len(ops):
+            raise ValueError("request_ids: an id appears more than once")
+        if not ops:
+            return []
+        policy = self._storage.policy
+        ready: set[int] = set()  # indices into ops
+        # Phase 1, every prefetch: [queried, in time, hit] for a query, [done] for a read.
+        now = time.perf_counter()
+        local: list[int] = []
+        for p in ops:
+            if p.state == "query":
+                queried = p.queried.is_set()
+                local += [int(queried), int(now < p.deadline), p.query_hit if queried else 0]
+            else:
+                local.append(int(self._read_done(p, now)))
+        agreed = self.controller.agree_all(local)
+        starting: list[tuple[int, int]] = []  # (index, agreed hit) of reads to start
+        ending: list[int] = []  # reads every rank is done with
+        k = 0
+        for i, p in enumerate(ops):
+            if p.state == "query":
+                queried, in_time, hit = agreed[k : k + 3]
+                k += 3
+                if not queried:
+                    if policy.name == "best_effort" or (policy.name == "timeout" and not in_time):
+                        self._finish_prefetch(p, insert=False)
+                        ready.add(i)
+                    continue
+                starting.append((i, hit))
+            else:
+                if agreed[k]:
+                    ending.append(i)
+                k += 1
+        # Phase 2: [host slots allocated] for reads to start, [pages landed] for reads that end.
+        allocs = []
+        for i, hit in starting:
+            allocs.append(self._alloc_prefetch(ops[i], hit))
+        for i in ending:
+            self._stop_read(ops[i])
+        local = [int(slots is not None) for slots in allocs] + [ops[i].landed for i in ending]
+        agreed = self.controller.agree_all(local) if local else []
+        started: list[int] = []
+        for (i, _), slots, ok in zip(starting, allocs, agreed[: len(starting)], strict=True):
+            p = ops[i]
+            if not ok or slots is None:
+                if slots is not None:
+                    self.host_pool.free(slots)
+                self._finish_prefetch(p, insert=False)
+                ready.add(i)
+            else:
+                self._start_read(p, slots)
+                started.append(i)
+        for i, landed in zip(ending, agreed[len(starting) :], strict=True):
+            self._finish_prefetch(ops[i], agreed_landed=landed)
+            ready.add(i)
+        # Phase 3: the reads started just now, by the policy: best_effort ends them at once; the others
+        # end when every rank is done ([done]).
+        if started:
+            now = time.perf_counter()
+            if policy.name == "best_effort":
+                ending = started
+            else:
+                agreed = self.controller.agree_all([int(self._read_done(ops[i], now)) for i in started])
+                ending = [i for i, done in zip(started, agreed, strict=True) if done]
+            # Phase 4: [pages landed] of those that end.
+            if ending:
+                for i in ending:
+                    self._stop_read(ops[i])
+                agreed = self.controller.agree_all([ops[i].landed for i in ending])
+                for i, landed in zip(ending, agreed, strict=True):
+                    self._finish_prefetch(ops[i], agreed_landed=landed)
+                    ready.add(i)
+        return [rid for i, rid in enumerate(ids) if i in ready]
+
+    def _read_done(self: HiRadixCache, p: Prefetch, now: float) -> bool:
+        """Whether this rank may end read ``p`` by the policy."""
+        name = self._storage.policy.name
+        if name == "best_effort":
+            return True
+        if name == "wait_complete":
+            return p.complete
+        return p.complete or now >= p.deadline
+
+    def _alloc_prefetch(self: HiRadixCache, p: Prefetch, hit: int) -> torch.Tensor | None:
+        """Host slots for the agreed ``hit`` pages of ``p`` (capped by the policy's ``max_host_tokens``,
+        making room in the host pool if needed), or None when there is nothing worth reading or no room."""
         ps = self.page_size
         policy = self._storage.policy
-        hit = p.query_hit
         if policy.max_host_tokens is not None:
             held = sum(len(q.host_slots) for q in self._prefetch_ops.values())
             hit = min(hit, max(0, policy.max_host_tokens - held) // ps)
-        hit = self.controller.agree_min(hit)
         if not policy.worth(hit * ps, ps):
-            return False
+            return None
         slots = self.host_pool.alloc(hit * ps)
         if slots is None:
             self.evict_host(hit * ps - self.host_pool.available_size())
             slots = self.host_pool.alloc(hit * ps)
-        if not self.controller.agree_min(slots is not None):
-            if slots is not None:
-                self.host_pool.free(slots)
-            return False
-        p.tokens, p.keys, p.host_slots, p.state = p.tokens[: hit * ps], p.keys[:hit], slots, "read"
+        return slots
+
+    def _start_read(self: HiRadixCache, p: Prefetch, slots: torch.Tensor) -> None:
+        """Start reading ``p``'s agreed hit into ``slots`` (allocated on every rank)."""
+        hit = len(slots) // self.page_size
+        p.tokens, p.keys, p.host_slots, p.state = p.tokens[: hit * self.page_size], p.keys[:hit], slots, "read"
         self.metrics.prefetches += 1
         self._storage.start_prefetch(p)
-        return True
 
-    def _finish_prefetch(self: HiRadixCache, p: Prefetch, insert: bool = True) -> None:
+    def _stop_read(self: HiRadixCache, p: Prefetch) -> None:
+        """Stop ``p``'s read: the batch in flight completes (a hung backend is left behind); then
+        ``p.landed`` pages are complete and no longer touched by the I/O thread."""
+        p.cancel.set()
+        p.finished.wait(IO_GRACE_S)
+
+    def _finish_prefetch(
+        self: HiRadixCache, p: Prefetch, insert: bool = True, agreed_landed: int | None = None
+    ) -> None:
+        """End ``p``: with ``insert``, the pages that landed on every rank become a host-only node
+        (``agreed_landed``: their number when the caller agreed it after :meth:`_stop_read`; else
+        stopped and agreed here)."""
         if p.state == "query":  # no read was started: no slots, nothing landed
             del self._prefetch_ops[p.request_id]
             self.dec_lock_ref(p.node)
             return
-        p.cancel.set()
-        p.finished.wait(IO_GRACE_S)  # the batch in flight completes; a hung backend is left behind
-        landed = p.landed  # pages [0, landed) are complete and no longer touched by the I/O thread
-        agreed = self.controller.agree_min(landed) if insert else 0
+        if agreed_landed is None:
+            self._stop_read(p)
+            agreed = self.controller.agree_min(p.landed) if insert else 0
+        else:
+            agreed = int(agreed_landed) if insert else 0
         del self._prefetch_ops[p.request_id]
         ps = self.page_size
         m = self.metrics
