@@ -540,7 +540,7 @@ def test_serve_gives_back_the_locks_of_a_request_whose_admission_raised(monkeypa
     with make_cache(pool, threaded=False) as cache:
         engine = Engine(model, pool, cache)
 
-        def load_back(node, mem_quota=None):
+        def load_back(node, mem_quota=None, **kw):
             raise RuntimeError("injected load-back failure")
 
         monkeypatch.setattr(cache, "load_back", load_back)

@@ -99,7 +99,40 @@ def scenario_load_back_raises(rank: int, group) -> dict:
     return dict(state=state, outcome=outcome)
 
 
-SCENARIOS = {"write": scenario_write, "load": scenario_load, "load_back_raises": scenario_load_back_raises}
+def scenario_step_load_back_raises(rank: int, group) -> dict:
+    """As above with the decision left to the step (``agree="step"``): no collective inside
+    ``load_back``; rank 1 records its error and raises it from ``agree_load_backs``, after the one
+    collective, where rank 0 learns that its load-back did not go everywhere and revokes it."""
+    cache = build(tp_group=group, device_slots=24)
+    insert_seq(cache, TOKENS)
+    cache.flush()
+    cache.evict(cache.device_pool.size)
+    insert_seq(cache, list(range(300, 324)))
+    cache.flush()
+    if rank == 1:
+
+        def evict(n):
+            raise RuntimeError("injected eviction failure")
+
+        cache.evict = evict
+    m = cache.match_prefix(TOKENS)
+    went = cache.load_back(m.last_host_node, agree="step") is not None
+    if rank == 1:
+        del cache.evict
+    try:
+        outcome = f"revoked {cache.agree_load_backs() == [m.last_host_node.id]}"
+    except RuntimeError as exc:
+        outcome = f"raised: {exc}"
+    cache.flush()  # both go on: no rank waits in a collective the other skipped
+    cache.verify()
+    after = cache.match_prefix(TOKENS)
+    state = state_of(cache)
+    cache.close()
+    return dict(state=state, outcome=outcome, went=went, device_hit=len(after.device_indices))
+
+
+SCENARIOS = {"write": scenario_write, "load": scenario_load, "load_back_raises": scenario_load_back_raises,
+             "step_load_back_raises": scenario_step_load_back_raises}  # fmt: skip
 
 
 def rank_main(rank: int, init_file: str, out) -> None:
@@ -136,4 +169,14 @@ def test_an_error_inside_load_back_on_one_rank_does_not_hang_the_other(tp_faults
     assert a["outcome"] == "skipped" and b["outcome"] == "raised: injected eviction failure"
     host = [(path, host) for path, _, host, *_ in a["state"]["nodes"]]
     assert host == [(path, host) for path, _, host, *_ in b["state"]["nodes"]]  # the same host tier
+    assert a["state"]["host_state"] == b["state"]["host_state"]
+
+
+def test_a_step_load_back_failing_on_one_rank_is_revoked_on_the_other(tp_faults):
+    a, b = tp_faults[0]["step_load_back_raises"], tp_faults[1]["step_load_back_raises"]
+    assert a["went"] and not b["went"]
+    assert a["outcome"] == "revoked True" and b["outcome"] == "raised: injected eviction failure"
+    assert a["device_hit"] == b["device_hit"] == 0  # loaded on neither
+    host = [(path, host) for path, _, host, *_ in a["state"]["nodes"]]
+    assert host == [(path, host) for path, _, host, *_ in b["state"]["nodes"]]
     assert a["state"]["host_state"] == b["state"]["host_state"]

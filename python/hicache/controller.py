@@ -417,6 +417,20 @@ class HiCacheController:
         self._pending_loads.append(_Op("load", device_indices, host_indices, [node_id]))
         self._outstanding["load"][node_id] += 1
 
+    def cancel_load(self, node_id: int, host_indices: torch.Tensor) -> None:
+        """Take back a queued load-back of ``node_id`` that has not started (:meth:`load` was called,
+        :meth:`start_loading` not yet): its host slots go back to SYNCED; no ack will come for it.
+        ``ValueError`` when there is none."""
+        i = next((k for k, op in enumerate(self._pending_loads) if op.node_ids == [node_id]), None)
+        if i is None:
+            raise ValueError(f"node_id: no queued load-back of node {node_id} (started already, or never queued)")
+        del self._pending_loads[i]
+        self.host_pool.mark_synced(host_indices)
+        outstanding = self._outstanding["load"]
+        outstanding[node_id] -= 1
+        if outstanding[node_id] <= 0:
+            del outstanding[node_id]
+
     def start_loading(self) -> int:
         """Merge the queued load-backs into one layer-by-layer batch and start it; returns the
         :attr:`layer_counter` generation to wait on (0 when nothing was queued)."""

@@ -121,14 +121,15 @@ class GenerationResult:
 class _Running:
     """A request admitted to the running batch: its slots, locks and output so far."""
 
-    __slots__ = ("admitted", "device_hit", "fed", "first", "host_hit", "load_wait", "locked", "out", "prefix",
-                 "req", "rows", "slots", "step_size")  # fmt: skip
+    __slots__ = ("admitted", "device_hit", "fed", "first", "host_hit", "load_wait", "loaded_from", "locked", "out",
+                 "prefix", "req", "rows", "slots", "step_size")  # fmt: skip
 
     def __init__(self, req: Request, fed: int) -> None:
         self.req = req
         self.fed = fed  # tokens whose KV is written: the prompt and every new token but the last
         self.prefix = 0  # prompt tokens whose KV was cached (device hit + host hit)
         self.device_hit = self.host_hit = 0
+        self.loaded_from = -1  # the node id its load-back was asked for (agree_load_backs may revoke it)
         self.locked: list = []
         self.slots: torch.Tensor | None = None
         self.out: list[int] = []
@@ -208,10 +209,12 @@ class Engine:
             if m.host_hit_length:
                 cache.inc_lock_ref(m.last_host_node)
                 run.locked.append(m.last_host_node)
-                loaded = cache.load_back(m.last_host_node)  # queued; started by the step's start_loading
+                # Queued, started by the step's start_loading; decided here, agreed for the whole step.
+                loaded = cache.load_back(m.last_host_node, agree="step")
                 if loaded is not None:
                     prefix = torch.cat([prefix, loaded])
                     run.host_hit = len(loaded)
+                    run.loaded_from = m.last_host_node.id
             run.prefix = len(prefix)
             rest = self.pool.alloc(need - run.prefix)
             if rest is None:  # cannot happen single-threaded (room was made above); never silently
@@ -366,10 +369,23 @@ class Engine:
                 run.admitted = now
                 prefill += len(req.prompt) - run.prefix
                 new.append(run)
+            if self.cache is not None:
+                new = self._settle_load_backs(new, waiting)
         except BaseException:  # a later admission raised: the requests admitted before it give back theirs
             self._unwind(new)
             raise
         return new
+
+    def _settle_load_backs(self, new: list[_Running], waiting: list[Request]) -> list[_Running]:
+        """The step's load-backs agreed across TP ranks in one collective: a request whose load-back was
+        revoked (it did not go on another rank) gives back what it holds and waits again, at the front."""
+        revoked = set(self.cache.agree_load_backs())
+        if not revoked:
+            return new
+        back = [r for r in new if r.loaded_from in revoked]
+        self._unwind(back)
+        waiting[:0] = [r.req for r in back]
+        return [r for r in new if r.loaded_from not in revoked]
 
     def _step(self, new: list[_Running], running: list[_Running], clock: Callable[[], float], t0: float) -> None:
         """One forward: the new requests' prefills and one decode token of each running request."""

@@ -41,7 +41,6 @@ identically.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,7 @@ from .controller import CacheMetrics, HiCacheController
 from .copy_acks import CopyAcks
 from .eviction import Eviction
 from .invariants import check_invariants, check_kept
+from .load_backs import LoadBacks, _StepLoad
 from .policies import EvictionPolicy, get_policy
 from .pools import DeviceKVPool, HostKVPool
 from .slot_check import TreeDeviceSlots
@@ -85,7 +85,7 @@ class _LostNodes(dict):
             self.core.set_flag(node_id, 1, False)
 
 
-class HiRadixCache(CopyAcks, Eviction, StorageOps):
+class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
     """A two-tier radix cache (see module docstring).
 
     Parameters
@@ -187,6 +187,7 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
             self._host_candidates = Candidates(self.policy.key, self._is_host_candidate)
         self._inflight_writes: dict[int, tuple[TreeNode, torch.Tensor]] = {}
         self._inflight_loads: dict[int, tuple[TreeNode, torch.Tensor, float]] = {}
+        self._step_loads: list[_StepLoad] = []  # agree="step" load-backs awaiting agree_load_backs()
         # Nodes whose load-back failed while others held them locked: device KV lost, dropped at the last unlock.
         self._lost: dict[int, Any] = _LostNodes(None if self._tree is None else self._tree.core)
         try:
@@ -541,6 +542,8 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
     def flush(self) -> None:
         """Wait for every copy in flight and process the acks (:class:`CopyError` for failed ones)."""
         self._check_open("flush")
+        if self._step_loads:  # settled first: a queued load-back may not start unagreed
+            self.agree_load_backs()
         self.controller.flush()
         self._take_acks()
         if self._storage is not None:  # the backups the acks above queued, too
@@ -561,93 +564,6 @@ class HiRadixCache(CopyAcks, Eviction, StorageOps):
         if self._tree is not None:
             return isinstance(node, CompiledNode) and self._tree.attached(node)
         return isinstance(node, TreeNode) and is_attached(self.root, node, self.page_size)
-
-    def load_back(self, node: TreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
-        """Bring the host-only part of the prefix ending at ``node`` back to device slots.
-
-        Returns the new device slots (in prefix order; the copy starts with :meth:`start_loading` and
-        the nodes stay locked until its ack is processed), or None when skipped: nothing to load,
-        fewer than ``load_back_threshold`` tokens, more than ``mem_quota`` tokens, or more than the
-        free plus evictable device slots (then nothing is evicted). The skip decision is agreed
-        across TP ranks.
-
-        Raises (and changes nothing) ``TypeError`` / ``ValueError`` naming ``node`` or ``mem_quota``:
-        ``node`` must be a node of this tree still in it (a host eviction after the match may have
-        deleted it: match again); ``RuntimeError`` after :meth:`close`.
-        """
-        self._check_open("load_back")
-        if not isinstance(node, (TreeNode, CompiledNode)):
-            raise TypeError(f"node: expected a TreeNode (a MatchResult's last_host_node), got {type(node).__name__}")
-        if mem_quota is not None and (
-            isinstance(mem_quota, bool) or not isinstance(mem_quota, (int, np.integer)) or mem_quota < 0
-        ):
-            raise ValueError(f"mem_quota: expected None or a non-negative int of tokens, got {mem_quota!r}")
-        if not self._attached(node):
-            raise ValueError(
-                f"node: {node} is no longer in the tree (its host copy was evicted after the match); "
-                "match the tokens again"
-            )
-        path: list[TreeNode] = []
-        x = node
-        while x is not self.root and x.evicted:
-            path.append(x)
-            x = x.parent
-        path.reverse()
-        lengths = [n.num_tokens for n in path]
-        total = sum(lengths)
-        if total == 0:
-            return None
-        if total < self.load_back_threshold or (mem_quota is not None and total > mem_quota):
-            self.metrics.load_backs_skipped += 1
-            return None
-        t0 = time.perf_counter()
-        # Lock the whole path first: eviction below must neither take the device ancestor nor (through a
-        # write-back's host eviction) the host-only nodes we are about to load.
-        self.inc_lock_ref(node)
-        device = None
-        failed: BaseException | None = None
-        try:
-            available = self.device_pool.available_size()
-            # Evict only when that can make enough room: a load-back that cannot fit changes nothing.
-            if total <= available + (self.evictable_size() if total > available else 0):
-                device = self.device_pool.alloc(total)
-                if device is None:
-                    self.evict(total - available)
-                    device = self.device_pool.alloc(total)
-        except Exception as exc:  # raised below, after the collective every rank must issue
-            failed = exc
-        try:
-            loading = self.controller.agree_min(device is not None and failed is None)
-            if failed is not None:
-                raise failed
-            if loading:
-                host = torch.cat([n.host_value for n in path])
-                self.controller.load(host, device, node.id)  # the lock taken above is released by its ack
-        except BaseException:
-            if device is not None:
-                self.device_pool.free(device)
-            self.dec_lock_ref(node)
-            raise
-        if not loading:
-            if device is not None:
-                self.device_pool.free(device)
-            self.dec_lock_ref(node)
-            self.metrics.load_backs_skipped += 1
-            return None
-        self._slots.take(device)
-        self._protected += total  # the path is locked (above) until the load's ack
-        offset = 0
-        for n, length in zip(path, lengths, strict=True):
-            n.value = device[offset : offset + length]
-            offset += length
-        self._inflight_loads[node.id] = (node, host, t0)
-        self.metrics.load_backs += 1
-        return device
-
-    def start_loading(self) -> int:
-        """Start the queued load-backs as one layer-by-layer batch (see the controller)."""
-        self._check_open("start_loading")
-        return self.controller.start_loading()
 
     # ------------------------------------------------------------------ state
     def evictable_size(self) -> int:
