@@ -463,17 +463,22 @@ def test_two_processes_share_a_directory(tmp_path, each_tree_core):
         assert load_and_check(b, TOKENS) == 48
 
 
+def tp_cache(backend: StorageBackend, **kw) -> HiRadixCache:
+    """A cache over ``backend`` whose TP group is the initialized WORLD (of one, in these tests)."""
+    dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+                       dtype=torch.float32, device="cpu", page_size=4)  # fmt: skip
+    host = HostKVPool(dev, layout="page_first", ratio=3.0, safety_margin_gb=0.0)
+    return HiRadixCache(dev, host, io_backend="direct", storage=backend, model_id="test-model",
+                        tp_group=torch.distributed.group.WORLD, **kw)  # fmt: skip
+
+
 def test_a_step_agrees_its_copies_and_storage_backups_in_one_collective(tmp_path, monkeypatch):
     """check_acks takes the landed backups, load-backs AND the storage tier's landed backups with ONE
     all-reduce (a TP group of one here; the tier used to agree its own count in a second)."""
     dist = torch.distributed
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
     try:
-        dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
-                           dtype=torch.float32, device="cpu", page_size=4)  # fmt: skip
-        host = HostKVPool(dev, layout="page_first", ratio=3.0, safety_margin_gb=0.0)
-        cache = HiRadixCache(dev, host, io_backend="direct", threaded=False, storage=FileBackend(str(tmp_path / "s")),
-                             model_id="m", tp_group=dist.group.WORLD)  # fmt: skip
+        cache = tp_cache(FileBackend(str(tmp_path / "s")), threaded=False)
         calls = []
         real = dist.all_reduce
         monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1])
@@ -559,13 +564,8 @@ def test_check_prefetches_agrees_all_requests_in_one_collective(tmp_path, monkey
         a.flush()
     dist = torch.distributed
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
-    try:
-        dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
-                           dtype=torch.float32, device="cpu", page_size=4)  # fmt: skip
-        host = HostKVPool(dev, layout="page_first", ratio=3.0, safety_margin_gb=0.0)
-        b = HiRadixCache(dev, host, io_backend="direct", storage=FileBackend(store_dir),  # reads on the I/O thread
-                         model_id="test-model", tp_group=dist.group.WORLD,
-                         prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=8))  # fmt: skip
+    try:  # reads on the I/O thread (threaded by default)
+        b = tp_cache(FileBackend(store_dir), prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=8))
         gate = threading.Event()
         real_read = b._storage.backend.batch_get_into
 

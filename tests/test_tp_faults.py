@@ -66,15 +66,14 @@ def scenario_load(rank: int, group) -> dict:
     return dict(state=state, causes=causes, device_hit=len(after.device_indices), host_hit=after.host_hit_length)
 
 
-def scenario_load_back_raises(rank: int, group) -> dict:
-    """The device pool is full, so ``load_back`` must evict; on rank 1 eviction raises. Rank 1 raises,
-    rank 0 is told the load-back is off (the collective happened on both), and both carry on."""
+def host_hit_that_must_evict(rank: int, group):
+    """A cache whose device pool is full and ``TOKENS`` a host-only hit (loading it back must evict);
+    on rank 1 eviction raises until ``del cache.evict``. The cache and the match."""
     cache = build(tp_group=group, device_slots=24)
     insert_seq(cache, TOKENS)
     cache.flush()
     cache.evict(cache.device_pool.size)
-    other = list(range(300, 324))
-    insert_seq(cache, other)  # fills the device pool again
+    insert_seq(cache, list(range(300, 324)))  # fills the device pool again
     cache.flush()
     if rank == 1:
 
@@ -82,7 +81,13 @@ def scenario_load_back_raises(rank: int, group) -> dict:
             raise RuntimeError("injected eviction failure")
 
         cache.evict = evict
-    m = cache.match_prefix(TOKENS)
+    return cache, cache.match_prefix(TOKENS)
+
+
+def scenario_load_back_raises(rank: int, group) -> dict:
+    """The device pool is full, so ``load_back`` must evict; on rank 1 eviction raises. Rank 1 raises,
+    rank 0 is told the load-back is off (the collective happened on both), and both carry on."""
+    cache, m = host_hit_that_must_evict(rank, group)
     outcome = "loaded"
     try:
         if cache.load_back(m.last_host_node) is None:
@@ -103,19 +108,7 @@ def scenario_step_load_back_raises(rank: int, group) -> dict:
     """As above with the decision left to the step (``agree="step"``): no collective inside
     ``load_back``; rank 1 records its error and raises it from ``agree_load_backs``, after the one
     collective, where rank 0 learns that its load-back did not go everywhere and revokes it."""
-    cache = build(tp_group=group, device_slots=24)
-    insert_seq(cache, TOKENS)
-    cache.flush()
-    cache.evict(cache.device_pool.size)
-    insert_seq(cache, list(range(300, 324)))
-    cache.flush()
-    if rank == 1:
-
-        def evict(n):
-            raise RuntimeError("injected eviction failure")
-
-        cache.evict = evict
-    m = cache.match_prefix(TOKENS)
+    cache, m = host_hit_that_must_evict(rank, group)
     went = cache.load_back(m.last_host_node, agree="step") is not None
     if rank == 1:
         del cache.evict
