@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -118,6 +119,20 @@ def test_scale_quick_writes_json_with_the_schema_fields(core, tmp_path, capsys):
     assert set(data["targets"]) >= {"median_met", "p99_met", "growth_met"}
     printed = capsys.readouterr().out
     assert "growth (median, largest / smallest)" in printed and str(bench_scale.QUICK_SIZES[-1]) in printed
+
+
+def test_scale_rounds_interleave_the_sizes_without_changing_their_requests():
+    """The sizes' timed requests run in interleaved rounds; each size has its own seeded stream, so it
+    serves the same requests, with the same outcome, as alone in one round."""
+    from hicache.bench_scale import ScaleConfig, run_size, run_sizes
+
+    cfg = ScaleConfig(requests=12, warmup=3, rounds=4)
+    together = run_sizes([512, 1024], cfg)
+    alone = [run_size(n, dataclasses.replace(cfg, rounds=1)) for n in (512, 1024)]
+    keep = ("device_slots", "requests", "nodes", "device_tokens", "host_tokens", "evicting_fraction",
+            "device_hit_fraction", "host_hit_fraction", "copies_issued", "metrics")  # fmt: skip
+    assert [{k: r[k] for k in keep} for r in together] == [{k: r[k] for k in keep} for r in alone]
+    assert all(r["requests"] == 12 for r in together)
 
 
 def test_scale_growth_ratio_is_from_the_medians():

@@ -21,6 +21,10 @@ hit that is loaded back, or a miss when the host evicted it) and otherwise send 
 page, a new shared page with probability ``1/fanout``). The write policy is the cache's default,
 ``write_through``, so in steady state a new node's backup also evicts from the host.
 
+Every size is filled first; then their timed requests run in interleaved rounds (5: a fifth of each
+size's requests in turn, five times), so that a slow phase of a shared machine falls on every size
+alike rather than on whichever size was running then.
+
 Run ``python -m hicache.bench_tree --scale [--scale-sizes N ...] [--requests N] [--json PATH]``.
 """
 
@@ -66,6 +70,7 @@ class ScaleConfig:
     seed: int = 0
     tree_core: str = "auto"
     verify: bool = False  # cache.verify() after the fill and after the timed requests (walks the tree)
+    rounds: int = 5  # the sizes' timed requests interleave in this many rounds
 
 
 def check_sizes(sizes: list[int]) -> list[int]:
@@ -226,75 +231,120 @@ def p99(values: list[float]) -> float:
     return s[max(0, math.ceil(0.99 * len(s)) - 1)]
 
 
-def run_size(device_slots: int, cfg: ScaleConfig) -> dict[str, Any]:
-    """Fill a cache of ``device_slots`` device slots, then time ``cfg.requests`` requests; one result row."""
-    rng = np.random.default_rng([cfg.seed, device_slots])
-    cache, dev, host, noop = _build(device_slots, cfg)
-    try:
-        capacity = host.size // PAGE_SIZE + cfg.warmup + cfg.requests + 1
-        seqs = _Sequences(rng, capacity, groups=capacity)
-        t = time.perf_counter()
-        _fill(cache, dev, host, seqs, cfg)
-        fill_s = time.perf_counter() - t
-        filled = seqs.count
-        if cfg.verify:
-            cache.verify()
-        before = census(cache)
-        phases: list[tuple[int, int, int, int]] = []
-        evicting = device_hits = host_hits = 0
-        for k in range(cfg.warmup + cfg.requests):
+class _SizeRun:
+    """One size's cache, filled, and what its timed requests measured so far."""
+
+    def __init__(self, device_slots: int, cfg: ScaleConfig) -> None:
+        self.device_slots, self.cfg = device_slots, cfg
+        rng = np.random.default_rng([cfg.seed, device_slots])
+        self.cache, self.dev, self.host, self.noop = _build(device_slots, cfg)
+        try:
+            capacity = self.host.size // PAGE_SIZE + cfg.warmup + cfg.requests + 1
+            self.seqs = _Sequences(rng, capacity, groups=capacity)
+            t = time.perf_counter()
+            _fill(self.cache, self.dev, self.host, self.seqs, cfg)
+            self.fill_s = time.perf_counter() - t
+            self.filled = self.seqs.count
+            if cfg.verify:
+                self.cache.verify()
+            self.before = census(self.cache)
+        except BaseException:
+            self.cache.close()
+            raise
+        self.phases: list[tuple[int, int, int, int]] = []
+        self.served = self.evicting = self.device_hits = self.host_hits = 0
+
+    def serve(self, n: int) -> None:
+        """The next ``n`` requests (the first ``cfg.warmup`` of the run untimed)."""
+        cfg, seqs = self.cfg, self.seqs
+        for _ in range(n):
             if seqs.rng.random() < cfg.revisit:
                 i = int(seqs.rng.integers(seqs.count))
             else:
                 i = seqs.new(new_group=seqs.rng.random() < 1 / cfg.fanout)
-            *times, evicted, dh, hh = _serve(cache, dev, seqs.prompt(i))
-            if k >= cfg.warmup:
-                phases.append(tuple(times))  # type: ignore[arg-type]
-                evicting += evicted
-                device_hits += dh > 0
-                host_hits += hh > 0
-        cache.check_acks()
-        if cfg.verify:
-            cache.verify()
-        after = census(cache)
-        if noop.issued == 0:
-            raise RuntimeError("scale bench: no copy reached the no-op backend (the controller did not use it)")
-        m = cache.metrics
-        metrics = {"load_backs": m.load_backs, "load_backs_skipped": m.load_backs_skipped,
-                   "device_evicted_tokens": m.device_evicted_tokens, "host_evicted_tokens": m.host_evicted_tokens,
-                   "writes_refused_host_full": m.writes_refused_host_full}  # fmt: skip
-        tree_core = cache.tree_core
+            *times, evicted, dh, hh = _serve(self.cache, self.dev, seqs.prompt(i))
+            if self.served >= cfg.warmup:
+                self.phases.append(tuple(times))  # type: ignore[arg-type]
+                self.evicting += evicted
+                self.device_hits += dh > 0
+                self.host_hits += hh > 0
+            self.served += 1
+
+    def finish(self) -> dict[str, Any]:
+        """Close the cache; the size's result row."""
+        cache = self.cache
+        try:
+            cache.check_acks()
+            if self.cfg.verify:
+                cache.verify()
+            after = census(cache)
+            if self.noop.issued == 0:
+                raise RuntimeError("scale bench: no copy reached the no-op backend (the controller did not use it)")
+            m = cache.metrics
+            metrics = {"load_backs": m.load_backs, "load_backs_skipped": m.load_backs_skipped,
+                       "device_evicted_tokens": m.device_evicted_tokens, "host_evicted_tokens": m.host_evicted_tokens,
+                       "writes_refused_host_full": m.writes_refused_host_full}  # fmt: skip
+            tree_core = cache.tree_core
+        finally:
+            cache.close()
+        phases = self.phases
+        totals = [sum(p) / 1e3 for p in phases]
+        split = {
+            name: {
+                "mean_us": statistics.fmean(p[j] for p in phases) / 1e3,
+                "median_us": statistics.median(p[j] for p in phases) / 1e3,
+            }  # fmt: skip
+            for j, name in enumerate(PHASES)
+        }
+        n = len(phases)
+        return {
+            "device_slots": self.device_slots,
+            "host_slots": self.host.size,
+            "tree_core": tree_core,
+            **after,
+            "nodes_after_fill": self.before["nodes"],
+            "fill_sequences": self.filled,
+            "fill_s": self.fill_s,
+            "requests": n,
+            "median_us": statistics.median(totals),
+            "p99_us": p99(totals),
+            "mean_us": statistics.fmean(totals),
+            "max_us": max(totals),
+            "split": split,
+            "evicting_fraction": self.evicting / n,
+            "device_hit_fraction": self.device_hits / n,
+            "host_hit_fraction": self.host_hits / n,
+            "copies_issued": self.noop.issued,
+            "metrics": metrics,
+        }
+
+
+def run_size(device_slots: int, cfg: ScaleConfig) -> dict[str, Any]:
+    """Fill a cache of ``device_slots`` device slots, then time ``cfg.requests`` requests; one result row."""
+    return run_sizes([device_slots], cfg)[0]
+
+
+def run_sizes(sizes: list[int], cfg: ScaleConfig) -> list[dict[str, Any]]:
+    """Every size filled first, then their timed requests in ``cfg.rounds`` interleaved rounds (each
+    round serves a share of every size's requests in turn): a slow phase of a shared machine lands on
+    every size alike instead of on the one that happened to run then. One result row per size."""
+    runs: list[_SizeRun] = []
+    try:
+        for n in sizes:
+            runs.append(_SizeRun(n, cfg))
+        total = cfg.warmup + cfg.requests
+        rounds = max(1, min(cfg.rounds, cfg.requests))
+        done = 0
+        for r in range(rounds):
+            share = total * (r + 1) // rounds - done
+            for run in runs:
+                run.serve(share)
+            done += share
+        return [run.finish() for run in runs]
     finally:
-        cache.close()
-    totals = [sum(p) / 1e3 for p in phases]
-    split = {
-        name: {
-            "mean_us": statistics.fmean(p[j] for p in phases) / 1e3,
-            "median_us": statistics.median(p[j] for p in phases) / 1e3,
-        }  # fmt: skip
-        for j, name in enumerate(PHASES)
-    }
-    n = len(phases)
-    return {
-        "device_slots": device_slots,
-        "host_slots": host.size,
-        "tree_core": tree_core,
-        **after,
-        "nodes_after_fill": before["nodes"],
-        "fill_sequences": filled,
-        "fill_s": fill_s,
-        "requests": n,
-        "median_us": statistics.median(totals),
-        "p99_us": p99(totals),
-        "mean_us": statistics.fmean(totals),
-        "max_us": max(totals),
-        "split": split,
-        "evicting_fraction": evicting / n,
-        "device_hit_fraction": device_hits / n,
-        "host_hit_fraction": host_hits / n,
-        "copies_issued": noop.issued,
-        "metrics": metrics,
-    }
+        for run in runs:
+            if not run.cache.closed:
+                run.cache.close()
 
 
 def growth_ratio(rows: list[dict[str, Any]]) -> float | None:
@@ -307,7 +357,7 @@ def growth_ratio(rows: list[dict[str, Any]]) -> float | None:
 
 def run_scale(sizes: list[int], cfg: ScaleConfig, args: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every size of ``sizes`` (checked by :func:`check_sizes`), the growth ratio and the targets."""
-    rows = [run_size(n, cfg) for n in check_sizes(list(sizes))]
+    rows = run_sizes(check_sizes(list(sizes)), cfg)
     growth = growth_ratio(rows)
     meta = run_meta("hicache.bench_tree --scale", args or {})
     meta.update(machine=platform.machine(), processor=platform.processor(), cpus=_cpus())
