@@ -45,6 +45,27 @@ def _mask(states: tuple[SlotState, ...]) -> int:
     return m
 
 
+class Transition:
+    """One state change of a pool's slots, made once (module constants of :mod:`hicache.pools`): the
+    method it serves (named in errors), the states it moves from and to, the reason named for each wrong
+    state, whether it takes whole pages only; and what the compiled call takes (a bit mask of the
+    sources, the target as an int, whether the slots' pages go back to the free stack)."""
+
+    __slots__ = ("method", "sources", "target", "reasons", "whole_pages", "mask", "target_int", "push")
+
+    def __init__(
+        self,
+        method: str,
+        sources: tuple[SlotState, ...],
+        target: SlotState,
+        reasons: dict[SlotState, str],
+        whole_pages: bool = False,
+    ) -> None:
+        self.method, self.sources, self.target, self.reasons = method, sources, target, reasons
+        self.whole_pages = whole_pages
+        self.mask, self.target_int, self.push = _mask(sources), int(target), target == SlotState.FREE
+
+
 def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -91,7 +112,6 @@ class _PagedSlots:
         self._pop = None if core is None else core.pop
         self._move = None if core is None else core.transition
         self._set_owned = None if core is None else core.set_owned
-        self._masks: dict[tuple[SlotState, ...], int] = {}
 
     def set_owned(self, arrays: list[np.ndarray]) -> None:
         """The owners' slot flags (bool, one per slot; an owner holds whole pages) that a transition
@@ -187,34 +207,44 @@ class _PagedSlots:
 
     def transition(
         self,
-        method: str,
+        t: Transition,
         slots: torch.Tensor,
-        sources: tuple[SlotState, ...],
-        target: SlotState,
-        reasons: dict[SlotState, str],
-        whole_pages: bool = False,
         guard: Callable[[np.ndarray, np.ndarray | None], None] | None = None,
     ) -> None:
-        """Move every slot from one of ``sources`` to ``target``, all or nothing; ``target`` FREE releases
-        the slots' pages to the free stack.
+        """Move every slot from one of ``t.sources`` to ``t.target``, all or nothing; target FREE
+        releases the slots' pages to the free stack.
 
         The usual input (whole pages, each in order, as alloc hands them out and the tree keeps them)
-        takes O(n) checks and page-indexed updates, no sort; anything else, or any wrong state, goes
-        through the full parse, which accepts it or names the fault the same way. ``guard(slots, pages)``
-        is the caller's last check of slots that passed these (``pages``: one per page, in order, on the
-        usual input, else None); it raises to refuse them, before anything changes."""
-        quick = isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int64, torch.int32)
+        takes one compiled call when the extension is built, else O(n) numpy checks and page-indexed
+        updates, no sort; anything else, or any wrong state, goes through the full parse, which accepts
+        it or names the fault the same way. ``guard(slots, pages)`` is the caller's last check of slots
+        that passed these (``pages``: one per page, in order, on the usual input, else None); it raises
+        to refuse them, before anything changes (the compiled path checks the owners' flags of
+        :meth:`set_owned` instead, and leaves a held page to the general path, where the guard names it)."""
+        if type(slots) is torch.Tensor and slots.dtype is torch.int64 and self._move is not None and slots.is_cpu:
+            if slots.dim() == 1:
+                with self._lock:
+                    top = self._move(slots.numpy(), t.mask, t.target_int, t.push, self._num_free, guard is not None)
+                    if top >= 0:
+                        self._num_free = top
+                        return
+                self._transition(t, slots, guard, quick=False)  # not the usual input, or refused: names why
+                return
+        self._transition(t, slots, guard, quick=True)
+
+    def _transition(
+        self,
+        t: Transition,
+        slots: torch.Tensor,
+        guard: Callable[[np.ndarray, np.ndarray | None], None] | None,
+        quick: bool,
+    ) -> None:
+        """The numpy paths of :meth:`transition`: the usual input in O(n) (``quick``), else the parse."""
+        method, sources, target, reasons, whole_pages = t.method, t.sources, t.target, t.reasons, t.whole_pages
+        quick = (
+            quick and isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int64, torch.int32)
+        )
         with self._lock:
-            if quick and self._move is not None and slots.dtype is torch.int64 and slots.is_cpu:
-                mask = self._masks.get(sources)
-                if mask is None:
-                    mask = self._masks[sources] = _mask(sources)
-                push = target == SlotState.FREE
-                top = self._move(slots.detach().numpy(), mask, int(target), push, self._num_free, guard is not None)
-                if top >= 0:
-                    self._num_free = top
-                    return
-                quick = False  # not the usual input, or refused: the general path decides and names why
             if quick:
                 s = slots.detach().cpu().numpy().astype(np.int64, copy=False)  # CUDA slots: one sync
                 pages = self._whole_pages(s) if s.size else None

@@ -54,11 +54,91 @@ from hicache_kernels import layouts
 from hicache_kernels.ops import SUPPORTED_DTYPES
 
 from . import host_memory
-from .paged_slots import _FREE, SlotState, _fmt_slots, _PagedSlots, _positive_int
+from .paged_slots import _FREE, SlotState, Transition, _fmt_slots, _PagedSlots, _positive_int
 
 __all__ = ["DeviceKVPool", "HostKVPool", "SlotOwner", "SlotState"]
 
 _GIB = 1 << 30
+
+# The slot state changes of the pools (hicache.paged_slots.Transition), made once.
+_DEVICE_FREE = Transition(
+    "free",
+    (SlotState.RESERVED,),
+    SlotState.FREE,
+    {SlotState.FREE: "double free"},
+    whole_pages=True,
+)
+
+_HOST_MARK_WRITING = Transition(
+    "mark_writing",
+    (SlotState.RESERVED,),
+    SlotState.WRITING,
+    {
+        SlotState.FREE: "slot not allocated",
+        SlotState.WRITING: "a backup is already in flight",
+        SlotState.SYNCED: "already holds valid data (SYNCED)",
+        SlotState.LOADING: "a load from it is in flight",
+    },
+)
+
+_HOST_MARK_SYNCED = Transition(
+    "mark_synced",
+    (SlotState.WRITING, SlotState.LOADING),
+    SlotState.SYNCED,
+    {
+        SlotState.FREE: "slot not allocated",
+        SlotState.RESERVED: "no backup was started",
+        SlotState.SYNCED: "no transfer in flight",
+    },
+)
+
+_HOST_MARK_FILLED = Transition(
+    "mark_filled",
+    (SlotState.RESERVED,),
+    SlotState.SYNCED,
+    {
+        SlotState.FREE: "slot not allocated",
+        SlotState.WRITING: "a backup into it is in flight (WRITING)",
+        SlotState.SYNCED: "already holds valid data (SYNCED)",
+        SlotState.LOADING: "a load from it is in flight",
+    },
+)
+
+_HOST_ABORT_WRITE = Transition(
+    "abort_write",
+    (SlotState.WRITING,),
+    SlotState.RESERVED,
+    {
+        SlotState.FREE: "slot not allocated",
+        SlotState.RESERVED: "no backup was started",
+        SlotState.SYNCED: "its backup already completed (SYNCED)",
+        SlotState.LOADING: "a load from it is in flight",
+    },
+)
+
+_HOST_MARK_LOADING = Transition(
+    "mark_loading",
+    (SlotState.SYNCED,),
+    SlotState.LOADING,
+    {
+        SlotState.FREE: "slot not allocated",
+        SlotState.RESERVED: "holds no valid data yet (RESERVED)",
+        SlotState.WRITING: "its backup is still in flight (WRITING)",
+        SlotState.LOADING: "a load is already in flight",
+    },
+)
+
+_HOST_FREE = Transition(
+    "free",
+    (SlotState.RESERVED, SlotState.SYNCED),
+    SlotState.FREE,
+    {
+        SlotState.FREE: "double free",
+        SlotState.WRITING: "free of a slot in flight (WRITING)",
+        SlotState.LOADING: "free of a slot in flight (LOADING)",
+    },
+    whole_pages=True,
+)
 
 
 class SlotOwner(Protocol):
@@ -208,15 +288,7 @@ class DeviceKVPool:
         node: the message names it; see :meth:`add_owner`): a request frees only its own slots, the tree
         frees its own when it evicts them.
         """
-        self._slots.transition(
-            "free",
-            slots,
-            (SlotState.RESERVED,),
-            SlotState.FREE,
-            {SlotState.FREE: "double free"},
-            whole_pages=True,
-            guard=self._refuse_owned if self._owners else None,
-        )
+        self._slots.transition(_DEVICE_FREE, slots, guard=self._refuse_owned if self._owners else None)
 
     def add_owner(self, owner: SlotOwner) -> None:
         """Let ``owner`` (e.g. a radix tree's :class:`~hicache.slot_check.TreeDeviceSlots`) hold slots:
@@ -415,80 +487,26 @@ class HostKVPool:
 
     def mark_writing(self, slots: torch.Tensor) -> None:
         """``RESERVED -> WRITING``: a backup into ``slots`` is about to be issued."""
-        self._slots.transition(
-            "mark_writing",
-            slots,
-            (SlotState.RESERVED,),
-            SlotState.WRITING,
-            {
-                SlotState.FREE: "slot not allocated",
-                SlotState.WRITING: "a backup is already in flight",
-                SlotState.SYNCED: "already holds valid data (SYNCED)",
-                SlotState.LOADING: "a load from it is in flight",
-            },
-        )
+        self._slots.transition(_HOST_MARK_WRITING, slots)
 
     def mark_synced(self, slots: torch.Tensor) -> None:
         """``WRITING -> SYNCED`` (backup done) or ``LOADING -> SYNCED`` (load-back done, or failed: a load
         only reads the host slots, so their data stays valid)."""
-        self._slots.transition(
-            "mark_synced",
-            slots,
-            (SlotState.WRITING, SlotState.LOADING),
-            SlotState.SYNCED,
-            {
-                SlotState.FREE: "slot not allocated",
-                SlotState.RESERVED: "no backup was started",
-                SlotState.SYNCED: "no transfer in flight",
-            },
-        )
+        self._slots.transition(_HOST_MARK_SYNCED, slots)
 
     def mark_filled(self, slots: torch.Tensor) -> None:
         """``RESERVED -> SYNCED``: ``slots`` were written outside the controller (a storage read that
         completed) and now hold valid data."""
-        self._slots.transition(
-            "mark_filled",
-            slots,
-            (SlotState.RESERVED,),
-            SlotState.SYNCED,
-            {
-                SlotState.FREE: "slot not allocated",
-                SlotState.WRITING: "a backup into it is in flight (WRITING)",
-                SlotState.SYNCED: "already holds valid data (SYNCED)",
-                SlotState.LOADING: "a load from it is in flight",
-            },
-        )
+        self._slots.transition(_HOST_MARK_FILLED, slots)
 
     def abort_write(self, slots: torch.Tensor) -> None:
         """``WRITING -> RESERVED``: the backup into ``slots`` failed or was dropped, so they hold no valid
         data; the owner frees them (or retries)."""
-        self._slots.transition(
-            "abort_write",
-            slots,
-            (SlotState.WRITING,),
-            SlotState.RESERVED,
-            {
-                SlotState.FREE: "slot not allocated",
-                SlotState.RESERVED: "no backup was started",
-                SlotState.SYNCED: "its backup already completed (SYNCED)",
-                SlotState.LOADING: "a load from it is in flight",
-            },
-        )
+        self._slots.transition(_HOST_ABORT_WRITE, slots)
 
     def mark_loading(self, slots: torch.Tensor) -> None:
         """``SYNCED -> LOADING``: a load-back from ``slots`` is about to be issued."""
-        self._slots.transition(
-            "mark_loading",
-            slots,
-            (SlotState.SYNCED,),
-            SlotState.LOADING,
-            {
-                SlotState.FREE: "slot not allocated",
-                SlotState.RESERVED: "holds no valid data yet (RESERVED)",
-                SlotState.WRITING: "its backup is still in flight (WRITING)",
-                SlotState.LOADING: "a load is already in flight",
-            },
-        )
+        self._slots.transition(_HOST_MARK_LOADING, slots)
 
     def free(self, slots: torch.Tensor) -> None:
         """``RESERVED / SYNCED -> FREE`` for whole allocated pages.
@@ -496,18 +514,7 @@ class HostKVPool:
         A slot with a transfer in flight (``WRITING`` / ``LOADING``) cannot be freed: the copy engine or
         kernel may still be touching it.
         """
-        self._slots.transition(
-            "free",
-            slots,
-            (SlotState.RESERVED, SlotState.SYNCED),
-            SlotState.FREE,
-            {
-                SlotState.FREE: "double free",
-                SlotState.WRITING: "free of a slot in flight (WRITING)",
-                SlotState.LOADING: "free of a slot in flight (LOADING)",
-            },
-            whole_pages=True,
-        )
+        self._slots.transition(_HOST_FREE, slots)
 
     @property
     def page_bytes(self) -> int:
