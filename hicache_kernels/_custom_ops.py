@@ -6,7 +6,7 @@ nothing to compute (no outputs).
 Registered with :class:`torch.library.Library` rather than ``torch.library.custom_op``: the latter's
 Python wrappers cost ~30 us per call on every eager call of a compiled graph, the dispatcher alone a
 few. Pools reach the ops as tensor lists (a stacked pool as a one-element list) and are bound through
-the same cache as the eager ops (:func:`hicache_kernels.binding.bound_pools`).
+the same cache as the eager ops (:func:`hicache_kernels.bound_pools.bound_pools`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from ._validate import int_arg
 from .backends import IOBackend, get_backend
-from .binding import bound_pools, check_direction, pool_tensors
+from .bound_pools import bound_pools, check_direction, pool_tensors
 
 _ARGS = (
     "Tensor device_indices, Tensor host_indices, str layout, SymInt page_size, SymInt layer_id, str backend, "

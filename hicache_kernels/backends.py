@@ -41,152 +41,20 @@ import numpy as np
 import torch
 
 from . import launch
-from ._ext import BackendUnavailableError, cuda_runtime_status, load_extension
+from ._ext import cuda_runtime_status, load_extension
 from ._names import IO_BACKENDS
-from .fragments import Fragments, TensorMemory, plan_fragments, split_rows
+from .direct import DirectBackend
+from .fragments import TensorMemory, plan_fragments, split_rows
+from .iobackend import IOBackend, cuda_reason, nothing, on_device, pinned_reason, plan_stream, stream_handle
 from .plan import TransferPlan
+from .staged import StagedBackend
 
-
-def _stream(plan: TransferPlan) -> Any:
-    """``plan.stream`` (which must be on the device pool's device) or that device's current stream."""
-    device = plan.route.device
-    if plan.stream is None:
-        return torch.cuda.current_stream(device)
-    if plan.stream.device != device:
-        raise ValueError(
-            f"stream: expected a stream on the device pool's device {device}, got one on {plan.stream.device}"
-        )
-    return plan.stream
-
-
-def _stream_handle(plan: TransferPlan) -> tuple[int, Any]:
-    """``(handle, stream)`` of the launch stream: ``plan.stream`` (checked as :func:`_stream` does), or
-    the device's current stream, then only its handle (``stream`` None), read without building a
-    Stream object."""
-    if plan.stream is None:
-        return torch._C._cuda_getCurrentRawStream(plan.route.device.index), None
-    stream = _stream(plan)
-    return stream.cuda_stream, stream
-
-
-def _on_device(plan: TransferPlan) -> Any:
-    """The device pool's device made current for a launch, and the caller's restored afterwards: the
-    extension launches on the current device, and a pool on cuda:1 must not launch on cuda:0."""
-    return torch.cuda.device(plan.route.device.index)
-
+# The family's helpers under the names this module used (tests and older callers import them here).
+_stream, _stream_handle, _on_device = plan_stream, stream_handle, on_device
+_nothing, _cuda_reason, _pinned_reason = nothing, cuda_reason, pinned_reason
 
 # Stream handles cudaMemcpyBatchAsync refuses: the NULL (legacy default) stream and cudaStreamLegacy.
 _LEGACY_STREAM_HANDLES = (0, 1)
-
-
-class IOBackend:
-    """Base class: ``run(plan)`` executes a plan; ``unavailable(plan)`` says why it cannot, or None;
-    ``prepare(plan)`` does the host-side work ahead and returns the copy to issue later. What does not
-    change between calls (device tables, host aliases, kernel descriptors) is kept with the plan's
-    route (``plan.route.launch_state``), so only the first call for a route builds it."""
-
-    name = "base"
-
-    def unavailable(self, plan: TransferPlan) -> str | None:
-        return None
-
-    def wants_host_indices(self, plan: TransferPlan) -> bool:
-        """Whether this backend plans from indices on the host (CUDA index tensors are copied over, a
-        sync): a caller issuing several copies with the same indices moves them once."""
-        return False
-
-    def run(self, plan: TransferPlan) -> None:
-        self.prepare(plan)()
-
-    def prepare(self, plan: TransferPlan) -> Callable[[], None]:
-        """Check ``plan`` and do now the host-side work that does not depend on when the copy is issued
-        (for the copy engines: planning fragments and building their pointer arrays); return a callable
-        that issues the copy. ``run(plan)`` is ``prepare(plan)()``.
-
-        The callable issues on ``plan.stream``, or the device's stream current when ``prepare`` was
-        called, and may be called any number of times: it copies what the pools hold then. Indices:
-        ``direct`` and ``batch`` plan from them here, once (host indices; device ones are copied to
-        the host, a sync); ``kernel`` copies host indices to the device here and reads device index
-        tensors at every issue (so they may be rewritten in place between issues, as under graph
-        capture); ``triton`` does all its work at issue. The callable keeps what it needs alive.
-        """
-        reason = self.unavailable(plan)
-        if reason is not None:
-            raise BackendUnavailableError(f"io-backend {self.name!r}: {reason}")
-        return self._prepare(plan)
-
-    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
-        return functools.partial(self._run, plan)
-
-    def _run(self, plan: TransferPlan) -> None:
-        raise NotImplementedError
-
-
-def _nothing() -> None:
-    pass
-
-
-def _cuda_reason(plan: TransferPlan) -> str | None:
-    if not plan.route.on_cuda:
-        return "needs the device pool on a CUDA GPU (got CPU tensors)"
-    return None
-
-
-def _pinned_reason(plan: TransferPlan) -> str | None:
-    if not plan.route.gpu_addressable:  # decided once, when the pools were bound
-        return "host: reads and writes host memory directly, so the host pool must be pinned (pin_memory=True)"
-    return None
-
-
-class DirectBackend(IOBackend):
-    """Copy-engine baseline (see module docstring)."""
-
-    name = "direct"
-
-    def wants_host_indices(self, plan: TransferPlan) -> bool:
-        return True
-
-    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
-        frags = plan_fragments(plan)
-        if len(frags) == 0:
-            return _nothing
-        if not plan.route.on_cuda:
-            return functools.partial(TensorMemory(plan.tensors).copy, frags)
-        stream = _stream(plan)
-        device = plan.route.device.index
-        if not cuda_runtime_status()[0]:
-            # Without a usable extension (not built, or a driver older than its static runtime): the
-            # same fragments as torch copies (cudaMemcpyAsync underneath); info says so.
-            memory = TensorMemory(plan.tensors)
-
-            def torch_copies() -> None:
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    memory.copy(frags)
-
-            return torch_copies
-        issue = self.issuer(frags)
-
-        def copies() -> None:
-            with torch.cuda.device(device):  # the extension issues on the current device
-                issue(stream)
-            _ = plan  # keeps the pools the fragments point into alive with the callable
-
-        return copies
-
-    @staticmethod
-    def issuer(f: Fragments) -> Callable[[Any], None]:
-        """A callable issuing ``f`` on a given stream through the extension, its arrays built now."""
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (f.dst, f.dst_pitch, f.src, f.src_pitch, f.width,
-                                                                   f.height)]  # fmt: skip
-        pointers = [a.ctypes.data for a in arrays]
-        count = len(f)
-        ext = load_extension()
-
-        def issue(stream: Any) -> None:
-            ext.memcpy_fragments(*pointers, count, stream.cuda_stream)
-            _ = arrays  # the pointers above point into these: keep them alive with the callable
-
-        return issue
 
 
 # cudaMemcpyBatchAsync errors that mean "not here" (not built in, driver too old), after which
@@ -557,7 +425,7 @@ class AutoBackend(IOBackend):
         self.table = self._parse_table(config.get("table", {}), where)
         self.kernel = KernelBackend(num_blocks=self.sm_budget)
         self.kernel_bulk = KernelBackend(num_blocks=self.sm_budget, design="bulk")
-        self.staged = _staged_backend()
+        self.staged = StagedBackend()
         self.batch = BatchBackend()
         self.direct = DirectBackend()
         self.last_choice: str | None = None
@@ -661,19 +529,13 @@ class AutoBackend(IOBackend):
         return copy
 
 
-def _staged_backend(**options: Any) -> IOBackend:
-    from .staged import StagedBackend  # imported when first built: staged.py subclasses IOBackend from here
-
-    return StagedBackend(**options)
-
-
 _FACTORIES: dict[str, Callable[..., IOBackend]] = {
     "direct": DirectBackend,
     "batch": BatchBackend,
     "kernel": KernelBackend,
     "triton": TritonBackend,
     "auto": AutoBackend,
-    "staged": _staged_backend,
+    "staged": StagedBackend,
 }
 assert tuple(_FACTORIES) == IO_BACKENDS, "hicache_kernels._names.IO_BACKENDS lists the backends defined here"
 _DEFAULTS: dict[str, IOBackend] = {}

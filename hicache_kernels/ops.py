@@ -58,7 +58,8 @@ import torch
 from . import _custom_ops
 from ._validate import SUPPORTED_DTYPES, DevicePool, check_memory, int_arg
 from .backends import IOBackend, get_backend
-from .binding import KVBinding, bound_pools, check_direction, pool_tensors
+from .binding import KVBinding
+from .bound_pools import bound_pools, check_direction, pool_tensors
 from .plan import TransferPlan
 
 # The registered custom ops (torch.compile sees their writes): hicache_kernels::backup / ::load.

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 from ._ext import cuda_runtime_status
-from .backends import DirectBackend, IOBackend, _nothing, _pinned_reason, _stream
+from .direct import DirectBackend
 from .fragments import Fragments, TensorMemory, host_indices
+from .iobackend import IOBackend, nothing, pinned_reason, plan_stream
 from .plan import TransferPlan
 
 
@@ -141,7 +142,7 @@ class StagedBackend(IOBackend):
     def unavailable(self, plan: TransferPlan) -> str | None:
         if not plan.route.on_cuda:
             return None
-        return _pinned_reason(plan)
+        return pinned_reason(plan)
 
     def wants_host_indices(self, plan: TransferPlan) -> bool:
         return True
@@ -162,12 +163,12 @@ class StagedBackend(IOBackend):
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         host_addr, dev_addr = plan_units(plan)
         if host_addr.size == 0:
-            return _nothing
+            return nothing
         route = plan.route
         cb = route.chunk_bytes
         capacity = self.staging_bytes(plan) // cb  # units per buffer (one page holds at least one)
         st = self._staging_for(route.device, route.direction, capacity * cb)
-        stream = _stream(plan) if route.on_cuda else None
+        stream = plan_stream(plan) if route.on_cuda else None
         d2h = route.direction == "d2h"
         dev_tensors = plan.src_tensors if d2h else plan.dst_tensors
         lo, hi, tensors = _ranges(dev_tensors)

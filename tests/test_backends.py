@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hicache_kernels
-from hicache_kernels import BackendUnavailableError, _ext, backends, launch, ops
+from hicache_kernels import BackendUnavailableError, _ext, backends, direct, launch, ops
 from hicache_kernels.backends import AutoBackend, BatchBackend, DirectBackend, KernelBackend, get_backend
 
 from kvdata import expected_after, make_indices, make_pools
@@ -88,8 +88,10 @@ def pretend_cuda(monkeypatch, handle=7, runtime_ok=True, stream=None):
     stream = FakeStream(handle) if stream is None else stream
     monkeypatch.setattr(backends, "_stream", lambda plan: stream)
     monkeypatch.setattr(backends, "_stream_handle", lambda plan: (handle, stream))
+    monkeypatch.setattr(direct, "plan_stream", lambda plan: stream)
     if runtime_ok is not None:
         monkeypatch.setattr(backends, "cuda_runtime_status", lambda: (True, "ok"))
+        monkeypatch.setattr(direct, "cuda_runtime_status", lambda: (True, "ok"))
         monkeypatch.setattr(launch, "cuda_runtime_status", lambda: (True, "ok"))
     monkeypatch.setattr(launch, "capturing", lambda: False)
     tables = Tables()
@@ -111,9 +113,17 @@ def pretend_gpu(monkeypatch, capability: tuple[int, int], image: tuple[int, int]
     monkeypatch.setattr(backends, "_bulk_image", lambda device: image or (arch, arch))
 
 
+def patch_plan_fragments(monkeypatch, fn) -> None:
+    """Replace the fragment planner where the copy-engine backends call it (direct's module and
+    backends', batch and auto's)."""
+    monkeypatch.setattr(backends, "plan_fragments", fn)
+    monkeypatch.setattr(direct, "plan_fragments", fn)
+
+
 def use_ext(monkeypatch, ext) -> None:
     """Every extension call (launches, host aliases) goes to ``ext``."""
     monkeypatch.setattr(backends, "load_extension", lambda: ext)
+    monkeypatch.setattr(direct, "load_extension", lambda: ext)
     monkeypatch.setattr(launch, "load_extension", lambda: ext)
 
 
@@ -701,7 +711,7 @@ def test_prepared_copy_plans_once_and_copies_current_contents(monkeypatch, name)
     plan, pools = plan_for(page_size=4)
     planned = []
     real_plan = backends.plan_fragments
-    monkeypatch.setattr(backends, "plan_fragments", lambda p: planned.append(p) or real_plan(p))
+    patch_plan_fragments(monkeypatch, lambda p: planned.append(p) or real_plan(p))
     copy = get_backend(name).prepare(plan)
     assert len(planned) == 1
     d_idx, h_idx = plan.src_indices, plan.dst_indices
@@ -724,7 +734,7 @@ def test_prepare_does_the_host_work_and_issue_only_calls_the_extension(monkeypat
     launches = {"direct": "memcpy_fragments", "batch": "memcpy_batch", "kernel": "transfer"}[name]
     assert [c for c, _ in ext.calls if c == launches] == []  # nothing issued by prepare
     before = len(ext.calls)
-    monkeypatch.setattr(backends, "plan_fragments", lambda p: pytest.fail("planned at issue"))
+    patch_plan_fragments(monkeypatch, lambda p: pytest.fail("planned at issue"))
     monkeypatch.setattr(launch, "gpu_route", lambda plan, capturing: pytest.fail("described at issue"))
     monkeypatch.setattr(launch, "device_alias", lambda ptr: pytest.fail("aliased at issue"))
     copy()
@@ -738,7 +748,7 @@ def test_prepare_does_the_host_work_and_issue_only_calls_the_extension(monkeypat
 
 def test_prepare_refuses_an_unavailable_backend_before_any_work(monkeypatch):
     plan, _ = plan_for()
-    monkeypatch.setattr(backends, "plan_fragments", lambda p: pytest.fail("planned for a backend that cannot run"))
+    patch_plan_fragments(monkeypatch, lambda p: pytest.fail("planned for a backend that cannot run"))
     with pytest.raises(BackendUnavailableError, match="io-backend 'kernel'"):
         get_backend("kernel").prepare(plan)
 

@@ -220,7 +220,7 @@ def pretend_cuda_schedule(monkeypatch, backend, plan, capturing=False):
     monkeypatch.setattr(torch.cuda, "stream", use_stream)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    monkeypatch.setattr(staged, "_stream", lambda plan: launch)
+    monkeypatch.setattr(staged, "plan_stream", lambda plan: launch)
     monkeypatch.setattr(staged, "cuda_runtime_status", lambda: (False, "pretend: torch copies"))
     monkeypatch.setattr(staged, "_upload", lambda flat, device, stream, buffers: flat)
     for name in ("_pack_d2h", "_scatter_h2d"):
