@@ -1,0 +1,134 @@
+"""The packages' import graph, read from the source with ``ast`` (every import counts: lazy ones inside
+functions and type-only ones too): imports flow one way, ``hicache`` -> ``hicache_kernels``, and no
+module imports itself back through others. What is left to untangle (issue 22) is listed below; the
+test fails on anything new, and on an entry that is no longer true (strike it off)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"hicache_kernels": ROOT / "hicache_kernels", "hicache": ROOT / "python" / "hicache"}
+
+# Still to untangle (issue 22). An upward import: the kernel package reaching into the cache package.
+KNOWN_UPWARD = {
+    ("hicache_kernels._env", "hicache.tree_core"),  # info names the cache's tree core
+    ("hicache_kernels.bench.interference", "hicache"),  # the GPU overlap bench drives the controller
+}
+# A circle: the cache's mixins and the class they make up (each mixin imports it for its type hints).
+KNOWN_CYCLES = [
+    {"hicache.copy_acks", "hicache.eviction", "hicache.invariants", "hicache.load_backs", "hicache.radix_cache",
+     "hicache.storage_ops"},
+]  # fmt: skip
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, root in PACKAGES.items():
+        for f in sorted(root.rglob("*.py")):
+            parts = [pkg, *f.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = f
+    return out
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports (a parent package is left out: it is imported first anyway)."""
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            targets = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+        for t in targets:
+            if t in known and t != name and not name.startswith(t + "."):
+                found.add(t)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[set[str]] = []
+    counter = 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.add(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(comp)
+    return out
+
+
+def test_the_kernel_package_never_imports_the_cache_package():
+    edges = graph()
+    upward = {(a, b) for a, bs in edges.items() if a.startswith("hicache_kernels") for b in bs
+              if b.split(".")[0] == "hicache"}  # fmt: skip
+    assert upward - KNOWN_UPWARD == set(), "new upward imports"
+    assert KNOWN_UPWARD - upward == set(), "gone: strike them off KNOWN_UPWARD"
+
+
+def test_no_import_circles():
+    found = cycles(graph())
+    new = [c for c in found if not any(c <= k for k in KNOWN_CYCLES)]
+    assert new == [], "new import circles"
+    assert all(any(c == k for c in found) for k in KNOWN_CYCLES), "a known circle changed or is gone: update it"
+
+
+def test_the_checker_finds_what_it_looks_for():
+    """The checks themselves: a circle and an upward edge in a made-up graph are found."""
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(edges) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    known = modules()
+    assert "hicache.radix_cache" in known and "hicache_kernels.ops" in known and "hicache_kernels.bench" in known
+    # Relative imports resolve, parent packages excluded: ops imports the backends and the bound pools.
+    ops = imports_of("hicache_kernels.ops", known["hicache_kernels.ops"], known)
+    assert {"hicache_kernels.backends", "hicache_kernels.bound_pools", "hicache_kernels._custom_ops"} <= ops
+    assert "hicache_kernels" not in ops
