@@ -132,7 +132,7 @@ SMOKE=(-m gpu_smoke tests)
 
 if [ "$STAGE" != 2 ]; then
   step build 180 $PY -m pip install --no-build-isolation --no-deps -e .
-  step info 30 sh -c "$PY -m hicache_kernels.info && $PY -m hicache_kernels.info --json >'$OUT/info.json'"
+  step info 30 sh -c "$PY -m hicache.info && $PY -m hicache.info --json >'$OUT/info.json'"
   step gpu-smoke 150 "${PYTEST[@]}" -rf --timeout=60 "${SMOKE[@]}"
   step bench-core 120 $PY -m hicache_kernels.bench --targets-core --refcheck --json "$OUT/bench_core.json"
   step targets 20 $PY -m hicache_kernels.targets "$OUT/bench_core.json"

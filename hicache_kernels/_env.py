@@ -304,17 +304,4 @@ def gather() -> dict[str, Any]:
     report["gpus"] = [asdict(g) for g in gpus]
     report["notes"] = notes
     report["io_backends"] = {k: asdict(v) for k, v in io_backend_status(gpus).items()}
-    report["tree_core"] = tree_core_status()
     return report
-
-
-def tree_core_status() -> dict[str, Any]:
-    """Which radix-tree core ``hicache.HiRadixCache`` takes by default here (``HICACHE_TREE_CORE``
-    honoured), and why."""
-    try:
-        from hicache.tree_core import choose_core  # noqa: PLC0415
-
-        core, reason = choose_core(None)
-    except Exception as exc:  # noqa: BLE001 - a bad HICACHE_TREE_CORE, or hicache missing: say so
-        return {"core": None, "reason": f"{type(exc).__name__}: {exc}"}
-    return {"core": core, "reason": reason}

@@ -3,8 +3,9 @@
 Prints versions (the package's, and the one its build was given, with its local label), the archs
 compiled in, the CUDA version built with and the oldest driver that can run it, CUDA runtime and driver
 versions, each visible GPU with its PCIe link and the theoretical bandwidth it implies, and which
-io-backends are usable, and which radix-tree core ``hicache`` takes. ``--json`` prints the same as
-one JSON object. It never fails for lack of a GPU, a driver or NVML: it says so.
+io-backends are usable (``python -m hicache.info`` adds what the cache layer takes: its radix-tree
+core). ``--json`` prints the same as one JSON object. It never fails for lack of a GPU, a driver or
+NVML: it says so.
 """
 
 from __future__ import annotations
@@ -81,13 +82,17 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hicache_kernels.info", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, extra: Any = None, prog: str = "python -m hicache_kernels.info") -> int:
+    """The command; ``extra(report)`` adds a package's own entries to the report first (the cache layer's
+    ``hicache.info`` does)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     from ._env import gather
 
     report = gather()
+    if extra is not None:
+        extra(report)
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")

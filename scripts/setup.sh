@@ -44,4 +44,4 @@ if [ "${HICACHE_MOONCAKE:-0}" = 1 ]; then
   pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" ||
     echo "setup: could not install the Mooncake Store client: the mooncake tests will skip, saying why"
 fi
-python -m hicache_kernels.info
+python -m hicache.info  # the kernel package's info and the cache layer's tree core

@@ -13,7 +13,6 @@ PACKAGES = {"hicache_kernels": ROOT / "hicache_kernels", "hicache": ROOT / "pyth
 
 # Still to untangle (issue 22). An upward import: the kernel package reaching into the cache package.
 KNOWN_UPWARD = {
-    ("hicache_kernels._env", "hicache.tree_core"),  # info names the cache's tree core
     ("hicache_kernels.bench.interference", "hicache"),  # the GPU overlap bench drives the controller
 }
 # A circle: the cache's mixins and the class they make up (each mixin imports it for its type hints).

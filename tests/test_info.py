@@ -34,8 +34,8 @@ def test_info_json_schema() -> None:
     proc = run_info("--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert set(report) >= {"package", "build", "torch", "triton", "cuda", "gpus", "notes", "io_backends", "tree_core"}
-    assert report["tree_core"]["core"] in ("compiled", "python") and report["tree_core"]["reason"]
+    assert set(report) >= {"package", "build", "torch", "triton", "cuda", "gpus", "notes", "io_backends"}
+    assert "tree_core" not in report  # the cache layer's: python -m hicache.info
     import hicache_kernels
 
     assert report["package"]["version"] == hicache_kernels.__version__
@@ -286,12 +286,20 @@ def test_an_old_driver_is_not_asked_for_coverage(monkeypatch: pytest.MonkeyPatch
     assert g.kernels_cover_arch is True and "binaryVersion" not in g.coverage
 
 
-def test_info_names_the_tree_core_and_a_bad_setting(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from hicache_kernels import info
+def test_the_cache_layers_info_names_the_tree_core_and_a_bad_setting(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from hicache import info as cache_info
 
     monkeypatch.setenv("HICACHE_TREE_CORE", "python")
-    assert info.main([]) == 0
-    assert "hicache radix-tree core: python (asked for (HICACHE_TREE_CORE=python))" in capsys.readouterr().out
+    assert cache_info.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hicache-kernels ") and "io-backends:" in out  # the kernel package's report, too
+    assert "hicache radix-tree core: python (asked for (HICACHE_TREE_CORE=python))" in out
     monkeypatch.setenv("HICACHE_TREE_CORE", "quick")
-    assert info.main([]) == 0
+    assert cache_info.main([]) == 0
     assert "hicache radix-tree core: none (ValueError: HICACHE_TREE_CORE: expected one of" in capsys.readouterr().out
+    monkeypatch.delenv("HICACHE_TREE_CORE")
+    proc = subprocess.run([sys.executable, "-m", "hicache.info", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["tree_core"]["core"] in ("compiled", "python") and report["tree_core"]["reason"]
+    assert {"build", "io_backends"} <= set(report)

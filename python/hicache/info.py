@@ -1,0 +1,38 @@
+"""``python -m hicache.info``: what this installation and machine can do, for the cache layer.
+
+Everything ``python -m hicache_kernels.info`` prints (versions, archs, CUDA, GPUs and their PCIe links,
+usable io-backends), and which radix-tree core :class:`~hicache.HiRadixCache` takes here by default
+(``HICACHE_TREE_CORE`` honoured) and why. ``--json`` prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from hicache_kernels import info as kernel_info
+
+from .tree_core import choose_core
+
+
+def tree_core_status() -> dict[str, Any]:
+    """Which radix-tree core ``HiRadixCache`` takes by default here, and why (a bad
+    ``HICACHE_TREE_CORE`` is reported, not raised)."""
+    try:
+        core, reason = choose_core(None)
+    except Exception as exc:  # noqa: BLE001 - a bad HICACHE_TREE_CORE: say so
+        return {"core": None, "reason": f"{type(exc).__name__}: {exc}"}
+    return {"core": core, "reason": reason}
+
+
+def add_cache_layer(report: dict[str, Any]) -> None:
+    """The cache layer's entries of the report: ``tree_core``."""
+    report["tree_core"] = tree_core_status()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return kernel_info.main(argv, extra=add_cache_layer, prog="python -m hicache.info")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
