@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from .controller import CopyDropped, CopyError
+from .copy_errors import CopyDropped, CopyError
 from .tree import TreeNode, copy_chain, depth
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ of a node with no host copy (and, under ``write_back``, no host room) deletes it
 Errors: a bad argument raises (``TypeError`` / ``ValueError`` naming it) before anything changes.
 A failed copy is rolled back when its ack is processed (:mod:`hicache.copy_acks`), and that call
 (``check_writes``, ``check_loads``, ``flush``, ``close``, or ``evict`` under ``write_back``) then
-raises :class:`~hicache.controller.CopyError`. After :meth:`close`, every call that would change the
+raises :class:`~hicache.copy_errors.CopyError`. After :meth:`close`, every call that would change the
 tree raises ``RuntimeError``; :meth:`verify`, the size queries and ``dec_lock_ref`` still work.
 
 Timestamps are a logical clock, so tensor-parallel ranks that see the same requests order evictions
@@ -47,11 +47,12 @@ import numpy as np
 import torch
 
 from .candidates import Candidates, CompiledCandidates, compiled_policy
-from .controller import CacheMetrics, HiCacheController
+from .controller import HiCacheController
 from .copy_acks import CopyAcks
 from .eviction import Eviction
 from .invariants import check_invariants, check_kept
 from .load_backs import LoadBacks, _StepLoad
+from .metrics import CacheMetrics
 from .policies import EvictionPolicy, get_policy
 from .pools import DeviceKVPool, HostKVPool
 from .slot_check import TreeDeviceSlots
