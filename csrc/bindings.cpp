@@ -260,7 +260,8 @@ void token_ids(py::handle tokens, int64_t n, std::vector<int64_t>* out) {
     if (Py_SIZE(obj) < n)
       throw py::value_error("tokens: fewer than " + std::to_string(n) + " token ids");
     PyObject** items = PyList_Check(obj) ? &PyList_GET_ITEM(obj, 0) : &PyTuple_GET_ITEM(obj, 0);
-    constexpr int64_t kAhead = 16;  // a prompt's int objects are scattered: fetch ahead of the reads
+    constexpr int64_t kAhead =
+        16;  // a prompt's int objects are scattered: fetch ahead of the reads
     for (int64_t i = 0; i < std::min(n, kAhead); ++i) __builtin_prefetch(items[i]);
     for (int64_t i = 0; i < n; ++i) {
       if (i + kAhead < n) __builtin_prefetch(items[i + kAhead]);
@@ -668,9 +669,7 @@ void bind_radix_tree(py::module_& m) {
       .def("insert", &PyRadixTree::insert, py::arg("tokens"), py::arg("slots"), py::arg("priority"),
            py::arg("touch"), py::arg("threshold"), py::arg("checked"),
            "(status, dup, cached, splits, backups, new_node, revived); status 1: the slots need "
-           "the full "
-           "check "
-           "(nothing changed; cached = the tree's slots of the first dup tokens)")
+           "the full check (nothing changed; cached = the tree's slots of the first dup tokens)")
       .def("slots", &PyRadixTree::slots, py::arg("id"))
       .def("set_slots", &PyRadixTree::set_slots, py::arg("id"), py::arg("value"))
       .def("key", &PyRadixTree::key, py::arg("id"))

@@ -16,8 +16,8 @@ struct PageStack {
   uint8_t* ever = nullptr;    // one byte per slot: allocated at least once
   int64_t page_size = 1;
   int64_t num_pages = 0;
-  std::vector<uint32_t>
-      seen;  // per page: the call that last saw it (the repeat check, never cleared)
+  // Per page: the call that last saw it (whole_pages' repeat check; never cleared, see `call`).
+  std::vector<uint32_t> seen;
   uint32_t call = 0;
 
   // Pops `need` pages off a stack holding `top` (the top first, as stack[top-1], stack[top-2],
