@@ -49,10 +49,6 @@ from .iobackend import IOBackend, cuda_reason, nothing, on_device, pinned_reason
 from .plan import TransferPlan
 from .staged import StagedBackend
 
-# The family's helpers under the names this module used (tests and older callers import them here).
-_stream, _stream_handle, _on_device = plan_stream, stream_handle, on_device
-_nothing, _cuda_reason, _pinned_reason = nothing, cuda_reason, pinned_reason
-
 # Stream handles cudaMemcpyBatchAsync refuses: the NULL (legacy default) stream and cudaStreamLegacy.
 _LEGACY_STREAM_HANDLES = (0, 1)
 
@@ -92,7 +88,7 @@ class BatchBackend(IOBackend):
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         frags = plan_fragments(plan)
         if len(frags) == 0:
-            return _nothing
+            return nothing
         dst, src, size = split_rows(frags)
         if not plan.route.on_cuda:
             memory = TensorMemory(plan.tensors)
@@ -103,7 +99,7 @@ class BatchBackend(IOBackend):
 
             return pieces
         ext = load_extension()
-        stream = _stream(plan)
+        stream = plan_stream(plan)
         device = plan.route.device.index
         issue_direct = DirectBackend.issuer(frags)  # the fallback, ready without planning again
         if stream.cuda_stream in _LEGACY_STREAM_HANDLES:
@@ -237,27 +233,27 @@ class KernelBackend(IOBackend):
         return sum(counter.read_and_reset(device) for device, counter in list(self._skipped.items()))
 
     def unavailable(self, plan: TransferPlan) -> str | None:
-        reason = _cuda_reason(plan)
+        reason = cuda_reason(plan)
         if reason is not None:
             return reason
         ok, reason = cuda_runtime_status()
-        return _pinned_reason(plan) if ok else reason
+        return pinned_reason(plan) if ok else reason
 
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         n = plan.src_indices.numel()
         if n == 0:
-            return _nothing
+            return nothing
         ext = load_extension()
         route = plan.route
         device = route.device
-        handle, stream = _stream_handle(plan)
+        handle, stream = stream_handle(plan)
         g = route.launch_state.get("gpu")
         counter: _SkipCounter | None = None
         counted_on: Any = None  # the stream a counting launch records its event on (None under capture)
         if g is None or handle not in g.recorded or self.count_skipped:
             # First launch of this route or on this stream: build (uploads, aliases) with the pool's
             # device current, where the capture check and the allocations must happen.
-            with _on_device(plan):
+            with on_device(plan):
                 capture = launch.capturing()
                 g = launch.gpu_route(plan, capturing=capture)
                 if not capture:
@@ -341,7 +337,7 @@ class TritonBackend(IOBackend):
 
     def unavailable(self, plan: TransferPlan) -> str | None:
         if plan.route.on_cuda:
-            return _pinned_reason(plan)
+            return pinned_reason(plan)
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing triton"
         return None
@@ -481,7 +477,7 @@ class AutoBackend(IOBackend):
 
     def _why_not(self, name: str, plan: TransferPlan) -> str | None:
         """Why design ``name`` cannot run ``plan`` (CUDA tensors), or None."""
-        if name == "batch" and _stream(plan).cuda_stream in _LEGACY_STREAM_HANDLES:
+        if name == "batch" and plan_stream(plan).cuda_stream in _LEGACY_STREAM_HANDLES:
             return "the legacy default stream is refused by cudaMemcpyBatchAsync"
         reason = self._design(name).unavailable(plan)
         if reason is None and name == "kernel-bulk":

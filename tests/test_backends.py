@@ -86,8 +86,8 @@ def pretend_cuda(monkeypatch, handle=7, runtime_ok=True, stream=None):
     as runnable unless ``runtime_ok`` is None (then the real check decides). Returns the fake current
     device and the fake tables."""
     stream = FakeStream(handle) if stream is None else stream
-    monkeypatch.setattr(backends, "_stream", lambda plan: stream)
-    monkeypatch.setattr(backends, "_stream_handle", lambda plan: (handle, stream))
+    monkeypatch.setattr(backends, "plan_stream", lambda plan: stream)
+    monkeypatch.setattr(backends, "stream_handle", lambda plan: (handle, stream))
     monkeypatch.setattr(direct, "plan_stream", lambda plan: stream)
     if runtime_ok is not None:
         monkeypatch.setattr(backends, "cuda_runtime_status", lambda: (True, "ok"))
@@ -554,7 +554,7 @@ def test_skipped_waits_for_counting_kernels_on_the_copy_streams(monkeypatch):
     assert counter.item() == 0  # the kernel is still queued on its copy stream
     assert counting.skipped() == 3
     counting.run(plan)
-    monkeypatch.setattr(backends, "_stream_handle", lambda plan: (8, copy_b))
+    monkeypatch.setattr(backends, "stream_handle", lambda plan: (8, copy_b))
     counting.run(plan)
     counting.run(plan)
     assert counting.skipped() == 9  # one launch on copy stream 7, two on 8: all waited for
@@ -595,13 +595,13 @@ def test_launches_run_on_the_device_pools_device(monkeypatch, backend, direction
 def test_a_stream_on_another_device_is_refused():
     plan, _ = plan_for(device=CUDA1)
     wrong = dataclasses.replace(plan, stream=FakeStream(7, CUDA0))
-    for stream_of in (backends._stream, backends._stream_handle):  # copy engines, kernel
+    for stream_of in (backends.plan_stream, backends.stream_handle):  # copy engines, kernel
         with pytest.raises(
             ValueError, match=r"stream: expected a stream on the device pool's device cuda:1, got one on cuda:0"
         ):
             stream_of(wrong)
     right = dataclasses.replace(plan, stream=FakeStream(7, CUDA1))
-    assert backends._stream(right).cuda_stream == 7 and backends._stream_handle(right) == (7, right.stream)
+    assert backends.plan_stream(right).cuda_stream == 7 and backends.stream_handle(right) == (7, right.stream)
 
 
 # --------------------------------------------------------------- what an old driver allows (#6)

@@ -251,16 +251,17 @@ class HiCacheController:
     def agree_min(self, value: int) -> int:
         """The minimum of ``value`` over the TP group (``value`` itself without one). Always issues
         the collective when a group is set, whatever ``value`` is."""
-        if self.tp_group is None:
-            return int(value)
-        t = torch.tensor([int(value)], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
-        return int(t.item())
+        return self._min_over_group([value])[0]
 
     def agree_all(self, values: list[int]) -> list[int]:
         """The minimum over the TP group of each of ``values`` (every rank passes as many), in ONE
         collective; ``values`` themselves without a group."""
-        if self.tp_group is None or not values:
+        return self._min_over_group(values) if values else []
+
+    def _min_over_group(self, values: list[int]) -> list[int]:
+        """Every agreement's one collective: the element-wise MIN of ``values`` over the TP group (the
+        values themselves without one)."""
+        if self.tp_group is None:
             return [int(v) for v in values]
         t = torch.tensor([int(v) for v in values], dtype=torch.int64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
@@ -475,15 +476,13 @@ class HiCacheController:
             ok = [int(ack.error is None) for ack in seens[kind][:n]]
             values += [n, *ok, *[1] * (w - n)]  # 1 (neutral for MIN) beyond the acks this rank has
         values += [int(c) for c in counts.values()]
-        v = torch.tensor(values, dtype=torch.int64)
-        torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        v = self._min_over_group(values)
         out = {}
         for j, kind in enumerate(kinds):
             base = j * (w + 1)
-            n = int(v[base])
-            out[kind] = (n, [1 - int(x) for x in v[base + 1 : base + 1 + n].tolist()])
-        tail = v[len(kinds) * (w + 1) :].tolist()
-        return out, dict(zip(counts, tail, strict=True))
+            n = v[base]
+            out[kind] = (n, [1 - x for x in v[base + 1 : base + 1 + n]])
+        return out, dict(zip(counts, v[len(kinds) * (w + 1) :], strict=True))
 
     def _ack_queues(self, kinds: tuple[str, ...]) -> list[tuple[str, deque]]:
         for kind in kinds:

@@ -26,11 +26,15 @@ class CopyAcks:
     docstring). Uses the cache's ``controller``, pools, ``root``, ``_inflight_writes``,
     ``_inflight_loads``, ``_lost`` and its device-slot record ``_slots``."""
 
+    def _host_room(self: HiRadixCache, tokens: int) -> None:
+        """Make ``tokens`` host slots free if host eviction can (a full host pool is the steady state)."""
+        short = tokens - self.host_pool.available_size()
+        if short > 0:
+            self.evict_host(short)
+
     def _backup(self: HiRadixCache, node: TreeNode) -> bool:
         value = node.value
-        n = len(value)
-        if self.host_pool.available_size() < n:  # a full host pool (the steady state): make room first
-            self.evict_host(n - self.host_pool.available_size())
+        self._host_room(len(value))
         host = self.controller.write(value, node.id)
         if host is None:
             return False
@@ -44,10 +48,8 @@ class CopyAcks:
             self._backup(nodes[0])
             return
         items = [(node.value, node.id) for node in nodes]
+        self._host_room(sum(len(value) for value, _ in items))
         hosts = self.controller.write_many(items, count_refusal=False)
-        if hosts is None:
-            self.evict_host(sum(len(node.value) for node in nodes))
-            hosts = self.controller.write_many(items, count_refusal=False)
         if hosts is None:
             for node in nodes:
                 self._backup(node)

@@ -110,27 +110,28 @@ class LoadBacks:
                     device = self.device_pool.alloc(total)
         except Exception as exc:  # raised after the agreement every rank must take part in
             failed = exc
+
+        def give_back() -> None:  # the load-back does not go here: the slots and the path's lock go back
+            if device is not None:
+                self.device_pool.free(device)
+            self.dec_lock_ref(node)
+
+        went_here = device is not None and failed is None
         try:
-            loading = (device is not None and failed is None) if step else None
-            if not step:
-                loading = bool(self.controller.agree_min(device is not None and failed is None))
-                if failed is not None:
-                    raise failed
+            loading = went_here if step else bool(self.controller.agree_min(went_here))
+            if failed is not None and not step:
+                raise failed
             if loading:
                 host = torch.cat([n.host_value for n in path])
                 self.controller.load(host, device, node.id)  # the lock taken above is released by its ack
         except BaseException as exc:
-            if device is not None:
-                self.device_pool.free(device)
-            self.dec_lock_ref(node)
+            give_back()
             if not step or not isinstance(exc, Exception):
                 raise
             self._step_loads.append(_StepLoad(node, [], None, exc))
             return None
         if not loading:
-            if device is not None:
-                self.device_pool.free(device)
-            self.dec_lock_ref(node)
+            give_back()
             if failed is None:
                 self.metrics.load_backs_skipped += 1
             if step:
