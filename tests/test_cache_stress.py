@@ -145,7 +145,7 @@ def check_device_kv(cache: HiRadixCache) -> int:
     toks: list[int] = []
     slots, positions = [], []
     for node, start in tree_nodes(cache):
-        if node.value is None or node.id in cache._lost:
+        if node.value is None or node.id in cache.tree.lost:
             continue
         if node.host_value is not None and (states[node.host_value.numpy()] == SlotState.LOADING).any():
             continue
@@ -399,7 +399,7 @@ class Driver:
         timing), polling as a scheduler would until it admits the request."""
         c = self.cache
         for _ in range(100):
-            p = c._prefetch_ops[rid]
+            p = c.storage_ops.prefetches[rid]
             assert (p.queried if p.state == "query" else p.finished).wait(60), "prefetch thread stuck"
             if c.check_prefetch_progress(rid):
                 break
@@ -424,7 +424,7 @@ class Driver:
 
     def op_flush(self, r: random.Random) -> None:
         self.cache.flush()
-        assert not self.cache._inflight_writes and not self.cache._inflight_loads
+        assert not self.cache.copies.writes and not self.cache.copies.loads
 
     # -------------------------------------------------------------- misuse: every error changes nothing
     def refused(self, call: Callable[[], object], errors: type | tuple[type, ...], match: str) -> None:
@@ -499,7 +499,7 @@ class Driver:
         self.prefetching.clear()  # close stopped them (nothing inserted, slots freed)
         self.counts["close_drain" if drain else "close_drop"] += 1
         self.check()  # nothing in flight: locks are the driver's, host slots SYNCED or FREE
-        assert not c._inflight_writes and not c._inflight_loads
+        assert not c.copies.writes and not c.copies.loads
         # Calls on the closed cache: refused, nothing changed.
         toks = self.tokens(r)
         slots = self.dev.alloc(len(toks))
@@ -541,22 +541,22 @@ class Driver:
         for q in self.pending:
             points[q.node] += 1
         inflight_host: list[tuple[torch.Tensor, int]] = []
-        for node, host in c._inflight_writes.values():
+        for node, host in c.copies.writes.values():
             points[node] += 1
             inflight_host.append((host, SlotState.WRITING))
-        for node, host, _ in c._inflight_loads.values():
+        for node, host, _ in c.copies.loads.values():
             points[node] += 1
             inflight_host.append((host, SlotState.LOADING))
         pins: Counter = Counter()
-        for backed_up in c._inflight_storage.values():  # storage backups host-pin their node (no lock)
+        for backed_up in c.storage_ops.backups.values():  # storage backups host-pin their node (no lock)
             for node in backed_up:
                 pins[node.id] += 1
                 assert attached(c, node) and node.host_value is not None, f"{node}: pinned without a host copy"
-        assert pins == Counter(c._host_pins), (pins, c._host_pins)
+        assert pins == Counter(c.tree.host_pins), (pins, c.tree.host_pins)
         prefetch_held = np.zeros(0, dtype=np.int64)
-        for p in c._prefetch_ops.values():  # prefetches lock the node they continue
+        for p in c.storage_ops.prefetches.values():  # prefetches lock the node they continue
             points[p.node] += 1
-        held = [p.host_slots.numpy() for p in [*c._prefetch_ops.values(), *c._zombies]]
+        held = [p.host_slots.numpy() for p in [*c.storage_ops.prefetches.values(), *c.storage_ops.zombies]]
         if held:
             prefetch_held = np.concatenate(held)
         expect: Counter = Counter()
@@ -618,7 +618,7 @@ class Driver:
         self.cache.flush()
         self.check()
         assert all(n.lock_ref == 0 for n, _ in tree_nodes(self.cache))
-        assert not self.cache._inflight_writes and not self.cache._inflight_loads
+        assert not self.cache.copies.writes and not self.cache.copies.loads
 
     def drain(self, sample: int = 6) -> None:
         """Release everything; check the device KV; push the device tier out and load a sample of

@@ -21,11 +21,11 @@ POLICIES = ["lru", "lfu", "slru", "fifo", "priority"]
 def walk_victims(cache, num_tokens: int) -> list[int]:
     """The device victims of the walk-and-sort path (what a policy without ``monotonic`` gets, and what
     every eviction did before), without evicting."""
-    kept, cache._device_candidates = cache._device_candidates, None
+    kept, cache.tree.device_candidates = cache.tree.device_candidates, None
     try:
-        return [x.id for x in cache._pick_device(num_tokens)]
+        return [x.id for x in cache.eviction.pick_device(num_tokens)]
     finally:
-        cache._device_candidates = kept
+        cache.tree.device_candidates = kept
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -36,16 +36,16 @@ def test_kept_sizes_and_victims_equal_the_walk(each_tree_core, policy, write_pol
     r = random.Random(9)
     for i in range(300):
         d.run_random(1, seed=r.randrange(1 << 30))
-        check_kept(cache)
+        check_kept(cache.tree)
         if i % 7 == 0:
             want = r.randrange(1, 24)
             expected = walk_victims(cache, want)
-            got = [x.id for x in cache._pick_device(want)]
+            got = [x.id for x in cache.eviction.pick_device(want)]
             assert got == expected
-            cache._device_candidates.push_all([n for n in cache._nodes() if n.id in set(got)])  # not evicted
-            check_kept(cache)
+            cache.tree.device_candidates.push_all([n for n in cache.tree.nodes() if n.id in set(got)])  # not evicted
+            check_kept(cache.tree)
     d.drain(sample=4)
-    check_kept(cache)
+    check_kept(cache.tree)
     cache.close()
 
 
@@ -55,16 +55,16 @@ def test_a_candidate_missed_by_the_kept_heap_fails_verify(each_tree_core):
     d.run_random(60, seed=2)
     d.release_all()
     cache.flush()
-    cands = [n for n in cache._nodes() if cache._is_device_candidate(n)]
+    cands = [n for n in cache.tree.nodes() if cache.tree.is_device_candidate(n)]
     assert cands
-    cache._device_candidates.rebuild([n for n in cache._nodes() if n is not cands[0]])  # one goes missing
+    cache.tree.device_candidates.rebuild([n for n in cache.tree.nodes() if n is not cands[0]])  # one goes missing
     with pytest.raises(AssertionError, match="device eviction candidates .* are not queued"):
         cache.verify()
-    cache._protected += 1
-    cache._device_candidates.rebuild(cache._nodes())
+    cache.tree.protected += 1
+    cache.tree.device_candidates.rebuild(cache.tree.nodes())
     with pytest.raises(AssertionError, match="protected_size kept"):
         cache.verify()
-    cache._protected -= 1
+    cache.tree.protected -= 1
     cache.verify()
     cache.close()
 
@@ -80,11 +80,11 @@ class Unordered:
 
 def test_a_custom_policy_takes_the_sorting_path(each_tree_core):
     cache = build(device_slots=32, page_size=1, eviction_policy=Unordered())
-    assert cache._device_candidates is None and cache._host_candidates is None
+    assert cache.tree.device_candidates is None and cache.tree.host_candidates is None
     d = Driver(cache, seed=3, max_pages=4)
     d.run_random(200, seed=4)
     d.drain(sample=4)
-    check_kept(cache)
+    check_kept(cache.tree)
     cache.close()
 
 
@@ -100,7 +100,7 @@ def test_which_heap_serves_which_policy(each_tree_core, policy):
     other monotonic policy keep the Python heap (victims equal the walk's either way, tested above)."""
     cache = build(device_slots=32, page_size=1, eviction_policy=MonotonicLRU() if policy == "subclass" else policy)
     want = CompiledCandidates if each_tree_core == "compiled" and policy != "subclass" else Candidates
-    assert type(cache._device_candidates) is want and type(cache._host_candidates) is want
+    assert type(cache.tree.device_candidates) is want and type(cache.tree.host_candidates) is want
     cache.close()
 
 
@@ -113,9 +113,9 @@ def test_the_compiled_heap_keys_are_the_policy_keys(each_tree_core, policy):
     cache = build(device_slots=48, page_size=2, eviction_policy=policy)
     d = Driver(cache, seed=11, max_pages=6)
     d.run_random(120, seed=12)
-    nodes = cache._nodes()
+    nodes = cache.tree.nodes()
     assert len(nodes) > 10
-    heap = cache._device_candidates._heap
+    heap = cache.tree.device_candidates._heap
     for n in nodes:
         want = cache.policy.key(n)
         got = heap.key(n.id)

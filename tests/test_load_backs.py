@@ -82,7 +82,7 @@ def test_an_error_inside_a_step_load_back_is_raised_at_the_agreement(each_tree_c
         def evict(n):
             raise OSError("injected eviction failure")
 
-        monkeypatch.setattr(c, "evict", evict)
+        monkeypatch.setattr(c.load_backs, "evict", evict)  # the eviction the load-back calls
         assert c.load_back(m.last_host_node, agree="step") is None
         monkeypatch.undo()
         with pytest.raises(OSError, match="injected eviction failure"):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("each_tree_core")
 
 
 def snapshot(cache) -> dict:
-    return dict(state_of(cache), available=cache.device_pool.available_size(), owned=cache._slots.owned.copy())
+    return dict(state_of(cache), available=cache.device_pool.available_size(), owned=cache.tree.slots.owned.copy())
 
 
 def same(a: dict, b: dict) -> bool:
@@ -67,10 +67,10 @@ def test_tree_frees_its_own_slots():
         prefill(c, toks)
         c.flush()
         assert c.evict(32) == 24  # eviction frees the tree's slots through the pool
-        assert c.device_pool.available_size() == 32 and not c._slots.owned.any()
+        assert c.device_pool.available_size() == 32 and not c.tree.slots.owned.any()
         m = c.match_prefix(toks)
         loaded = c.load_back(m.last_host_node)  # the tree owns the loaded slots at once
-        assert loaded is not None and c._slots.owned[loaded.numpy()].all()
+        assert loaded is not None and c.tree.slots.owned[loaded.numpy()].all()
         with pytest.raises(ValueError, match="held by the radix tree"):
             c.device_pool.free(loaded)
         c.start_loading()

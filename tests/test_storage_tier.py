@@ -61,7 +61,7 @@ def prefetch(cache: HiRadixCache, tokens: list[int], rid: str = "r", timeout: fl
     while not cache.check_prefetch_progress(rid):
         assert time.perf_counter() - t0 < timeout, "prefetch never finished"
         time.sleep(0.001)
-    assert rid not in cache._prefetch_ops
+    assert rid not in cache.storage_ops.prefetches
     return cache.metrics.storage_hit_tokens - before
 
 
@@ -125,7 +125,7 @@ def test_below_threshold_nothing_starts(tmp_path):
     with make(FileBackend(tmp_path), threshold=64) as b:
         m = b.match_prefix(TOKENS)
         assert not b.prefetch_from_storage("r", m.last_host_node, TOKENS)  # 48 tokens < 64: not requested
-        assert b.metrics.prefetches == 0 and not b._prefetch_ops
+        assert b.metrics.prefetches == 0 and not b.storage_ops.prefetches
         b.verify()
 
 
@@ -137,7 +137,7 @@ def test_corrupt_page_ends_the_prefix_and_nothing_wrong_is_loaded(tmp_path):
     with make(FileBackend(tmp_path)) as b:
         keys = page_keys(TOKENS, 4, prev_digest=b.storage.root_digest)
         prefill(b, TOKENS[:4])
-        assert b._keys_of(b.match_prefix(TOKENS[:4]).last_device_node) == keys[:1]
+        assert b.storage_ops.keys_of(b.match_prefix(TOKENS[:4]).last_device_node) == keys[:1]
     victim = next(f for f in files if f.stem == keys[5])
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
@@ -240,16 +240,16 @@ def test_timeout_policy_admits_at_the_deadline_keeping_what_landed(tmp_path, mon
         clock[0] += 0.35  # past the 0.3 s deadline
         assert b.check_prefetch_progress("r")
         assert b.metrics.storage_hit_tokens == 8 and b.metrics.prefetches_cut == {"timeout": 1}
-        assert len(b._zombies) == 1  # the hung call still holds the rest of the slots
+        assert len(b.storage_ops.zombies) == 1  # the hung call still holds the rest of the slots
         b.verify()
         free_before = b.host_pool.available_size()
         backend.gate.set()
         deadline = time.perf_counter() + 10
-        while not b._zombies[0].finished.is_set():
+        while not b.storage_ops.zombies[0].finished.is_set():
             assert time.perf_counter() < deadline
             time.sleep(0.001)
-        b._reap_zombies()
-        assert b.host_pool.available_size() == free_before + 40 and not b._zombies
+        b.storage_ops.reap()
+        assert b.host_pool.available_size() == free_before + 40 and not b.storage_ops.zombies
         assert load_and_check(b, TOKENS) == 8
 
 
@@ -290,7 +290,7 @@ def test_a_late_mooncake_read_never_lands_in_reused_host_slots(fake_mooncake):
         assert not torch.isin(other, late).any()
         assert not be.slots_busy(late, timeout=HANG_S)
         b.check_storage()  # the held slots go back to the pool once the call returned
-        assert b.host_pool.available_size() == free + 48 and not b._held_host
+        assert b.host_pool.available_size() == free + 48 and not b.storage_ops.held.held
         b.verify()
         assert b.evict(b.device_pool.size) == 48
         assert load_and_check(b, OTHER) == 48  # OTHER's KV back from its host copy, byte for byte
@@ -308,7 +308,7 @@ def test_a_late_mooncake_write_stores_the_pages_it_was_given(fake_mooncake):
         try:
             prefill(a, TOKENS)
             a.flush()  # the host copy, then its backup: the put outlives timeout_s (told False), the node unlocks
-            assert a.metrics.storage_pages_written == 0 and not a._inflight_storage
+            assert a.metrics.storage_pages_written == 0 and not a.storage_ops.backups
             slots = a.match_prefix(TOKENS).last_device_node.host_value.clone()
             want = page_bytes(a.host_pool, slots)
             assert a.evict(a.device_pool.size) == 48 and a.evict_host(a.host_pool.size) == 48  # gone from both
@@ -322,11 +322,11 @@ def test_a_late_mooncake_write_stores_the_pages_it_was_given(fake_mooncake):
         assert stall.done.wait(HANG_S)  # the late put has read its pages
         keys = page_keys(TOKENS, 4, prev_digest=a.storage.root_digest)
         assert [fake_mooncake.puts[k] for k in keys] == want, "a late put stored other bytes under the keys"
-        assert not torch.isin(other, slots).any() and len(a._held_host) == 1  # held until the put returned
+        assert not torch.isin(other, slots).any() and len(a.storage_ops.held.held) == 1  # held until the put returned
         assert not be.slots_busy(slots, timeout=HANG_S)
         free = a.host_pool.available_size()
         a.check_storage()
-        assert a.host_pool.available_size() == free + 48 and not a._held_host
+        assert a.host_pool.available_size() == free + 48 and not a.storage_ops.held.held
         a.verify()
 
 
@@ -337,7 +337,7 @@ def test_best_effort_admits_at_once(tmp_path):
     with make(backend, policy="best_effort", batch_pages=1, threaded=True) as b:
         m = b.match_prefix(TOKENS)
         assert b.prefetch_from_storage("r", m.last_host_node, TOKENS)
-        b._prefetch_ops["r"].queried.wait(10)  # the request reaches the scheduler after the query
+        b.storage_ops.prefetches["r"].queried.wait(10)  # the request reaches the scheduler after the query
         assert b.check_prefetch_progress("r")  # the first call admits; what landed by then is kept
         landed = b.metrics.storage_hit_tokens
         assert landed % 4 == 0 and landed <= 48 and b.metrics.prefetches == 1
@@ -350,7 +350,7 @@ def test_best_effort_admits_at_once(tmp_path):
             c.storage._query_one = lambda p: (slow.wait(10), real(p))
             m = c.match_prefix(TOKENS)
             assert c.prefetch_from_storage("r", m.last_host_node, TOKENS)
-            assert c.check_prefetch_progress("r") and c.metrics.prefetches == 0 and not c._prefetch_ops
+            assert c.check_prefetch_progress("r") and c.metrics.prefetches == 0 and not c.storage_ops.prefetches
             slow.set()
             c.verify()
 
@@ -373,13 +373,13 @@ def test_host_eviction_waits_for_the_storage_backup_device_eviction_does_not(tmp
         prefill(a, TOKENS)
         a.controller.flush()
         a.check_writes()  # host copy landed: the storage backup is queued (blocked), the node host-pinned
-        assert a._inflight_storage and a.protected_size() == 0
+        assert a.storage_ops.backups and a.protected_size() == 0
         assert a.evict(a.device_pool.size) == 48  # the device copy goes while the store is still writing
         assert a.evict_host(a.host_pool.size) == 0  # the host copy stays: the backend reads it
         a.verify()
         backend.gate.set()
         a.flush()
-        assert not a._inflight_storage and not a._host_pins
+        assert not a.storage_ops.backups and not a.tree.host_pins
         assert a.evict_host(a.host_pool.size) == 48
         a.verify()
     assert len(list(Path(tmp_path).rglob("*.kv"))) == 12
@@ -485,11 +485,11 @@ def test_a_step_agrees_its_copies_and_storage_backups_in_one_collective(tmp_path
         prefill(cache, TOKENS)
         cache.controller.flush()
         assert cache.check_acks() >= 1  # the host backups land; their storage backups start
-        cache._storage.wait_backups()
+        cache.storage.wait_backups()
         cache.check_acks()  # the storage backups landed: taken here at the latest
         assert len(calls) == 2  # one per step: copies and storage backups in one vector
         monkeypatch.undo()
-        assert cache._storage.landed_backups() == 0 and not cache._inflight_storage
+        assert cache.storage.landed_backups() == 0 and not cache.storage_ops.backups
         assert cache.metrics.storage_pages_written == len(TOKENS) // 4
         cache.verify()
         cache.close()
@@ -517,7 +517,7 @@ def test_check_prefetches_admits_like_one_call_per_request(tmp_path, policy):
             for c, toks in enumerate(CONVERSATIONS):
                 assert b.prefetch_from_storage(f"r{c}", b.match_prefix(toks).last_host_node, toks)
                 rids.append(f"r{c}")
-            for p in b._prefetch_ops.values():
+            for p in b.storage_ops.prefetches.values():
                 assert p.queried.wait(10)  # the queries are done: what a check does next is deterministic
             admitted: list[str] = []
             t0 = time.perf_counter()
@@ -546,7 +546,7 @@ def test_check_prefetches_refuses_unknown_and_repeated_ids(tmp_path):
             b.check_prefetches(["r", "nope"])
         with pytest.raises(ValueError, match="request_ids: an id appears more than once"):
             b.check_prefetches(["r", "r"])
-        assert "r" in b._prefetch_ops and b._prefetch_ops["r"].state == "query"  # nothing changed
+        assert "r" in b.storage_ops.prefetches and b.storage_ops.prefetches["r"].state == "query"  # nothing changed
         assert b.check_prefetches([]) == []
         t0 = time.perf_counter()
         while not b.check_prefetches(["r"]):
@@ -567,28 +567,28 @@ def test_check_prefetches_agrees_all_requests_in_one_collective(tmp_path, monkey
     try:  # reads on the I/O thread (threaded by default)
         b = tp_cache(FileBackend(store_dir), prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=8))
         gate = threading.Event()
-        real_read = b._storage.backend.batch_get_into
+        real_read = b.storage.backend.batch_get_into
 
         def held(*args, **kw):  # reads wait for the gate: the prefetches stay in flight
             gate.wait(10)
             return real_read(*args, **kw)
 
-        monkeypatch.setattr(b._storage.backend, "batch_get_into", held)
+        monkeypatch.setattr(b.storage.backend, "batch_get_into", held)
         rids = [f"r{c}" for c in range(len(CONVERSATIONS))]
         for rid, toks in zip(rids, CONVERSATIONS, strict=True):
             assert b.prefetch_from_storage(rid, b.match_prefix(toks).last_host_node, toks)
-        for p in b._prefetch_ops.values():
+        for p in b.storage_ops.prefetches.values():
             assert p.queried.wait(10)
         calls = []
         real = dist.all_reduce
         monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1])
         assert b.check_prefetches(rids) == []  # every read starts (two collectives) and none is done (a third)
-        assert len(calls) == 3 and all(p.state == "read" for p in b._prefetch_ops.values())
+        assert len(calls) == 3 and all(p.state == "read" for p in b.storage_ops.prefetches.values())
         calls.clear()
         assert b.check_prefetches(rids) == []  # reads in flight: one collective for all four
         assert calls == [len(rids)]
         gate.set()
-        for p in b._prefetch_ops.values():
+        for p in b.storage_ops.prefetches.values():
             assert p.finished.wait(10)
         calls.clear()
         assert b.check_prefetches(rids) == rids  # done everywhere: [done], then [landed]

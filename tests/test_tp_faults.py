@@ -68,7 +68,7 @@ def scenario_load(rank: int, group) -> dict:
 
 def host_hit_that_must_evict(rank: int, group):
     """A cache whose device pool is full and ``TOKENS`` a host-only hit (loading it back must evict);
-    on rank 1 eviction raises until ``del cache.evict``. The cache and the match."""
+    on rank 1 the load-back's eviction raises until ``restore(cache)``. The cache and the match."""
     cache = build(tp_group=group, device_slots=24)
     insert_seq(cache, TOKENS)
     cache.flush()
@@ -80,8 +80,12 @@ def host_hit_that_must_evict(rank: int, group):
         def evict(n):
             raise RuntimeError("injected eviction failure")
 
-        cache.evict = evict
+        cache.load_backs.evict = evict  # the eviction the load-back calls
     return cache, cache.match_prefix(TOKENS)
+
+
+def restore(cache) -> None:
+    cache.load_backs.evict = cache.evict
 
 
 def scenario_load_back_raises(rank: int, group) -> dict:
@@ -95,7 +99,7 @@ def scenario_load_back_raises(rank: int, group) -> dict:
     except RuntimeError as exc:
         outcome = f"raised: {exc}"
     if rank == 1:
-        del cache.evict
+        restore(cache)
     # Both ranks go on with the same collectives: a hang here would mean one skipped the decision's.
     cache.flush()
     cache.verify()
@@ -111,7 +115,7 @@ def scenario_step_load_back_raises(rank: int, group) -> dict:
     cache, m = host_hit_that_must_evict(rank, group)
     went = cache.load_back(m.last_host_node, agree="step") is not None
     if rank == 1:
-        del cache.evict
+        restore(cache)
     try:
         outcome = f"revoked {cache.agree_load_backs() == [m.last_host_node.id]}"
     except RuntimeError as exc:

@@ -29,7 +29,7 @@ needs_compiled = pytest.mark.skipif(not COMPILED_OK, reason=f"compiled tree core
 
 def snapshot(cache: HiRadixCache) -> tuple:
     rows = []
-    for n in [cache.root, *cache._nodes()]:
+    for n in [cache.root, *cache.tree.nodes()]:
         p = n.parent
         rows.append(
             (
@@ -48,7 +48,7 @@ def snapshot(cache: HiRadixCache) -> tuple:
     metrics = {
         k: v for k, v in dataclasses.asdict(cache.metrics).items() if isinstance(v, int) and not isinstance(v, bool)
     }
-    return sorted(rows), sorted(cache._lost), metrics, cache.device_pool.available_size()
+    return sorted(rows), sorted(cache.tree.lost), metrics, cache.device_pool.available_size()
 
 
 @dataclasses.dataclass

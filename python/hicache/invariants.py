@@ -7,24 +7,32 @@ checks everything the tree promises, in one pass over the nodes plus numpy work 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .pools import SlotState
+from .cache_tree import CacheTree
+from .controller import HiCacheController
+from .copy_acks import CopyAcks
+from .pools import DeviceKVPool, HostKVPool, SlotState
+from .storage_ops import StorageOps
 from .tree import is_attached
-
-if TYPE_CHECKING:
-    from .radix_cache import HiRadixCache
 
 
 def _fail(message: str) -> None:
     raise AssertionError(message)
 
 
-def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None = None) -> None:
-    """Raise ``AssertionError`` naming the first broken invariant of ``cache``.
+def check_invariants(
+    tree: CacheTree,
+    device_pool: DeviceKVPool,
+    host_pool: HostKVPool,
+    controller: HiCacheController,
+    copies: CopyAcks,
+    storage: StorageOps,
+    external_device: torch.Tensor | None = None,
+) -> None:
+    """Raise ``AssertionError`` naming the first broken invariant of the cache made of these components.
 
     - every node holds its KV somewhere, has a whole-page key, is its parent's child, and is on the
       device only below device-resident ancestors;
@@ -35,23 +43,23 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
       and owns (with the halves split off it) the copy's host slots;
     - host slots: FREE when no node owns them, WRITING / LOADING exactly for the copies in flight,
       SYNCED otherwise; RESERVED for the prefetches in flight (and stopped ones their I/O thread still
-      holds); unowned and RESERVED or SYNCED while held for a busy storage backend (``_held_host``);
+      holds); unowned and RESERVED or SYNCED while held for a busy storage backend (``storage.held``);
     - device slots: owned by exactly one node (or ``external_device``: held outside the tree) or free,
       and the tree's ownership record agrees.
     - lost nodes (failed load-back, still held): in the tree, on the device and the host, locked.
     """
-    ps = cache.page_size
-    root = cache.root
-    dev_size, host_size = cache.device_pool.size, cache.host_pool.size
+    ps = tree.page_size
+    root = tree.root
+    dev_size, host_size = device_pool.size, host_pool.size
     dev_owner = torch.zeros(dev_size, dtype=torch.int64)
     host_owner = torch.zeros(host_size, dtype=torch.int64)
     host_node = np.full(host_size, -1, dtype=np.int64)  # id of the node owning each host slot
 
     # Copies in flight, as the tree records them and as the controller has them.
-    records = {"write": cache._inflight_writes, "load": cache._inflight_loads}
+    records = {"write": copies.writes, "load": copies.loads}
     inflight_at: Counter = Counter()  # node id -> copies in flight for that node
     for kind, recs in records.items():
-        theirs = cache.controller.outstanding(kind)
+        theirs = controller.outstanding(kind)
         if Counter(recs.keys()) != theirs:
             _fail(
                 f"{kind}s in flight: the tree has {sorted(recs)}, the controller {sorted(theirs.elements())} "
@@ -61,19 +69,19 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
             inflight_at[node.id] += 1
     # Prefetches in flight hold a lock on the node their pages continue (the root takes no locks);
     # storage backups in flight host-pin their node instead (one pin each).
-    for p in getattr(cache, "_prefetch_ops", {}).values():
+    for p in storage.prefetches.values():
         if p.node is not root:
             inflight_at[p.node.id] += 1
-    storage = {i: len(nodes) for i, nodes in getattr(cache, "_inflight_storage", {}).items()}
-    pins = dict(getattr(cache, "_host_pins", {}))
-    if pins != storage:
-        _fail(f"host pins {pins} are not one per storage backup in flight {storage}")
-    for nodes in getattr(cache, "_inflight_storage", {}).values():
+    backups = {i: len(nodes) for i, nodes in storage.backups.items()}
+    pins = dict(tree.host_pins)
+    if pins != backups:
+        _fail(f"host pins {pins} are not one per storage backup in flight {backups}")
+    for nodes in storage.backups.values():
         for x in nodes:
-            if not cache._attached(x) or x.host_value is None:
+            if not tree.attached(x) or x.host_value is None:
                 _fail(f"{x} is read by a storage backup but is not in the tree with a host copy")
 
-    for n in cache._nodes():
+    for n in tree.nodes():
         if n.value is None and n.host_value is None:
             _fail(f"{n} holds its KV nowhere")
         if len(n.key) == 0 or len(n.key) % ps:
@@ -98,8 +106,8 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
     if (dev_owner > 1).any() or (host_owner > 1).any():
         _fail("a slot is owned by more than one node")
     tree_owned = (dev_owner == 1).numpy()
-    if not np.array_equal(tree_owned, cache._slots.owned):
-        bad = np.flatnonzero(tree_owned != cache._slots.owned)[:5].tolist()
+    if not np.array_equal(tree_owned, tree.slots.owned):
+        bad = np.flatnonzero(tree_owned != tree.slots.owned)[:5].tolist()
         _fail(f"device slots {bad}: the tree's ownership record disagrees with its nodes")
 
     # Host slot states: SYNCED when owned, WRITING / LOADING for the copies in flight, FREE otherwise.
@@ -118,17 +126,17 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
                 _fail(f"{kind} in flight for {node}: its host slots are owned by nodes {sorted(owners - chain)}")
             expected[host.numpy()] = state
     # Prefetches in flight (and stopped ones whose I/O thread still holds slots): RESERVED, no owner.
-    for p in [*getattr(cache, "_prefetch_ops", {}).values(), *getattr(cache, "_zombies", [])]:
+    for p in [*storage.prefetches.values(), *storage.zombies]:
         held = p.host_slots.numpy()
         if (host_owner.numpy()[held] != 0).any():
             _fail(f"prefetch {p.request_id!r}: its host slots are owned by a node")
         expected[held] = SlotState.RESERVED
-    states = cache.host_pool.state().numpy()
+    states = host_pool.state().numpy()
     # Host slots let go of while the storage backend may still read or write them: unowned, not free yet.
     claimed = np.zeros(host_size, dtype=np.int64)
-    for p in [*getattr(cache, "_prefetch_ops", {}).values(), *getattr(cache, "_zombies", [])]:
+    for p in [*storage.prefetches.values(), *storage.zombies]:
         np.add.at(claimed, p.host_slots.numpy(), 1)
-    for slots in getattr(cache, "_held_host", []):
+    for slots in storage.held.held:
         held = slots.numpy()
         np.add.at(claimed, held, 1)
         if (host_owner.numpy()[held] != 0).any():
@@ -146,33 +154,33 @@ def check_invariants(cache: HiRadixCache, external_device: torch.Tensor | None =
 
     if external_device is not None:
         dev_owner.index_add_(0, external_device, torch.ones_like(external_device))
-    dev_free = ~cache.device_pool.is_allocated()
+    dev_free = ~device_pool.is_allocated()
     if not torch.equal(dev_owner == 1, ~dev_free):
         bad = torch.nonzero((dev_owner == 1) == dev_free).flatten()[:5].tolist()
         _fail(f"device slots {bad} are neither free nor owned by exactly one node")
 
-    for x in cache._lost.values():
+    for x in tree.lost.values():
         if not is_attached(root, x, ps) or x.value is None or x.host_value is None or x.lock_ref <= 0:
             _fail(f"lost node {x} must be in the tree, on the device and the host, and locked")
 
 
-def check_kept(cache: HiRadixCache) -> None:
-    """What the cache keeps as nodes change instead of walking the tree equals the walk: the protected
+def check_kept(tree: CacheTree) -> None:
+    """What ``tree`` keeps as nodes change instead of walking the tree equals the walk: the protected
     and evictable device tokens, the tree's device tokens, and every eviction candidate of each tier is
     queued (:mod:`hicache.candidates`)."""
-    nodes = list(cache._nodes())
+    nodes = list(tree.nodes())
     on_device = [n for n in nodes if not n.evicted]
     protected = sum(n.num_tokens for n in on_device if n.lock_ref)
     owned = sum(n.num_tokens for n in on_device)
-    if cache._slots.count != owned:
-        _fail(f"device tokens kept: {cache._slots.count}, the nodes hold {owned}")
-    if cache.protected_size() != protected:
-        _fail(f"protected_size kept: {cache.protected_size()}, the walk finds {protected}")
-    if cache.evictable_size() != owned - protected:
-        _fail(f"evictable_size kept: {cache.evictable_size()}, the walk finds {owned - protected}")
+    if tree.slots.count != owned:
+        _fail(f"device tokens kept: {tree.slots.count}, the nodes hold {owned}")
+    if tree.protected != protected:
+        _fail(f"protected_size kept: {tree.protected}, the walk finds {protected}")
+    if tree.evictable_size() != owned - protected:
+        _fail(f"evictable_size kept: {tree.evictable_size()}, the walk finds {owned - protected}")
     for tier, cands, is_candidate in (
-        ("device", cache._device_candidates, cache._is_device_candidate),
-        ("host", cache._host_candidates, cache._is_host_candidate),
+        ("device", tree.device_candidates, tree.is_device_candidate),
+        ("host", tree.host_candidates, tree.is_host_candidate),
     ):
         if cands is None:
             continue

@@ -40,53 +40,31 @@ identically.
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
-from .candidates import Candidates, CompiledCandidates, compiled_policy
+from .cache_tree import CacheTree
 from .controller import HiCacheController
 from .copy_acks import CopyAcks
 from .eviction import Eviction
 from .invariants import check_invariants, check_kept
-from .load_backs import LoadBacks, _StepLoad
+from .load_backs import LoadBacks
+from .lookups import Lookups
 from .metrics import CacheMetrics
 from .policies import EvictionPolicy, get_policy
 from .pools import DeviceKVPool, HostKVPool
-from .slot_check import TreeDeviceSlots
 from .storage import StorageBackend
-from .storage.tier import PrefetchPolicy
-from .storage_ops import StorageOps
-from .tree import MatchResult, TreeNode, is_attached, match_path, page_key, subtree
-from .tree_core import TOUCH, CompiledNode, CompiledTree, choose_core, token_source
+from .storage.tier import PrefetchPolicy, StorageTier
+from .storage_ops import HeldHostSlots, StorageOps, create_tier
+from .tree import MatchResult, TreeNode
+from .tree_core import CompiledNode, choose_core
 
 __all__ = ["CompiledNode", "HiRadixCache", "MatchResult", "TreeNode"]
 
 
-class _LostNodes(dict):
-    """``HiRadixCache._lost`` (id -> node): the compiled core keeps a copy of membership as a flag, which
-    ``match_prefix`` reads."""
-
-    __slots__ = ("core",)
-
-    def __init__(self, core: Any) -> None:
-        super().__init__()
-        self.core = core
-
-    def __setitem__(self, node_id: int, node: Any) -> None:
-        super().__setitem__(node_id, node)
-        if self.core is not None:
-            self.core.set_flag(node_id, 1, True)
-
-    def __delitem__(self, node_id: int) -> None:
-        super().__delitem__(node_id)
-        if self.core is not None and self.core.alive(node_id):
-            self.core.set_flag(node_id, 1, False)
-
-
-class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
+class HiRadixCache:
     """A two-tier radix cache (see module docstring).
 
     Parameters
@@ -115,6 +93,14 @@ class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
     prefetch_policy : ``best_effort`` (default), ``wait_complete``, ``timeout``, or a
         :class:`~hicache.storage.tier.PrefetchPolicy` (thresholds, timeouts, host-slot cap).
     """
+
+    # The components (each owns its state; this class composes them and checks the calls):
+    #   tree       CacheTree   nodes, locks, host pins, kept sizes, eviction candidates, lost nodes
+    #   lookups    Lookups     match_prefix and insert on the request path
+    #   eviction   Eviction    picks and drops victims of both tiers
+    #   copies     CopyAcks    backups and load-backs in flight, their acks and roll-backs
+    #   load_backs LoadBacks   load-back decisions and their TP agreement
+    #   storage_ops StorageOps storage backups and prefetches (a no-op without a storage tier)
 
     def __init__(
         self,
@@ -149,7 +135,6 @@ class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._owns_controller = controller is None
-        self._storage_threads = threaded is not False
         self.controller = controller or HiCacheController(
             device_pool, host_pool, io_backend=io_backend, write_policy=write_policy, tp_group=tp_group,
             threaded=threaded, device_model=device_model,
@@ -157,50 +142,57 @@ class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
         self.write_policy = self.controller.write_policy
         self.policy = get_policy(eviction_policy)
         self.page_size = device_pool.page_size
-        self.load_back_threshold = load_back_threshold
-        self.write_through_threshold = write_through_threshold
-        self._ids = itertools.count(1)
-        self._clock = 0
         self._closed = False
-        self._slots = TreeDeviceSlots(device_pool, self._nodes)
-        self._tree: CompiledTree | None = None
-        if self.tree_core == "compiled":
-            self._tree = CompiledTree(self.page_size, device_pool._state_array(), self._slots.owned)
-            self.root: TreeNode | CompiledNode = self._tree.node(0)
-            self._touch_mode = TOUCH[self.write_policy]
-        else:
-            self.root = TreeNode(0, None, (), 0)
-        self.root.lock_ref = 1  # never evicted
-        # Kept as nodes change, so that nothing on the request path walks the tree: device tokens in
-        # locked nodes (the tree's device tokens are self._slots.count), and each tier's eviction
-        # candidates in policy order (None for a policy that cannot be kept ordered: sorted per eviction).
-        self._protected = 0
-        self._chosen: set[int] = set()  # the nodes an eviction in progress has picked
-        ordered = getattr(self.policy, "monotonic", False) is True
-        code = compiled_policy(self.policy) if self._tree is not None else None
-        self._device_candidates: Candidates | CompiledCandidates | None = None
-        self._host_candidates: Candidates | CompiledCandidates | None = None
-        if code is not None:  # a built-in policy over the compiled core: the heaps live in the core
-            self._device_candidates = CompiledCandidates(self._tree, code, self._is_device_candidate)
-            self._host_candidates = CompiledCandidates(self._tree, code, self._is_host_candidate)
-        elif ordered:
-            self._device_candidates = Candidates(self.policy.key, self._is_device_candidate)
-            self._host_candidates = Candidates(self.policy.key, self._is_host_candidate)
-        self._inflight_writes: dict[int, tuple[TreeNode, torch.Tensor]] = {}
-        self._inflight_loads: dict[int, tuple[TreeNode, torch.Tensor, float]] = {}
-        self._step_loads: list[_StepLoad] = []  # agree="step" load-backs awaiting agree_load_backs()
-        # Nodes whose load-back failed while others held them locked: device KV lost, dropped at the last unlock.
-        self._lost: dict[int, Any] = _LostNodes(None if self._tree is None else self._tree.core)
         try:
-            self._init_storage(storage, storage_config, model_id, storage_salt, prefetch_policy)
+            tier = create_tier(
+                storage, storage_config, model_id, storage_salt, prefetch_policy, host_pool, self.controller,
+                threaded=threaded is not False and self.controller.side_threads,
+            )  # fmt: skip
         except BaseException:
             if self._owns_controller:
                 self.controller.close(drain=False)
             raise
+        held = HeldHostSlots(host_pool, tier)
+        metrics = self.controller.metrics
+        self.tree = CacheTree(device_pool, self.tree_core, self.policy, metrics, release_host=held.free)
+        self.root = self.tree.root
+        self.lookups = Lookups(self.tree, self.write_policy, write_through_threshold, metrics)
+        self.eviction = Eviction(self.tree)
+        self.storage_ops = StorageOps(self.tree, host_pool, self.controller, tier, held, self.evict_host)
+        self.copies = CopyAcks(
+            self.tree, self.controller, host_pool, self.evict_host,
+            host_copy_landed=None if tier is None else self.storage_ops.host_copy_landed,
+        )  # fmt: skip
+        self.load_backs = LoadBacks(
+            self.tree, device_pool, self.controller, self.copies, self.evict, load_back_threshold
+        )
+
+    @property
+    def load_back_threshold(self) -> int:
+        """Host hits shorter than this many tokens are not loaded back (settable)."""
+        return self.load_backs.threshold
+
+    @load_back_threshold.setter
+    def load_back_threshold(self, tokens: int) -> None:
+        self.load_backs.threshold = tokens
+
+    @property
+    def write_through_threshold(self) -> int:
+        """Hits that make a node worth a backup under ``write_through_selective`` (settable)."""
+        return self.lookups.write_through_threshold
+
+    @write_through_threshold.setter
+    def write_through_threshold(self, hits: int) -> None:
+        self.lookups.write_through_threshold = hits
 
     @property
     def metrics(self) -> CacheMetrics:
         return self.controller.metrics
+
+    @property
+    def storage(self) -> StorageTier | None:
+        """The storage tier (None without ``storage=``)."""
+        return self.storage_ops.tier
 
     @property
     def closed(self) -> bool:
@@ -213,86 +205,14 @@ class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
         if self.controller.closed:
             raise RuntimeError(f"{method}: the HiRadixCache's controller is closed")
 
-    # ------------------------------------------------------------------ helpers
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _split(self, child: TreeNode, at: int) -> TreeNode:
-        """Split ``child`` after ``at`` tokens; returns the new upper node (which inherits locks and
-        counters: a lock on any descendant covers it too)."""
-        upper = TreeNode(next(self._ids), child.parent, child.key[:at], child.creation_time)
-        upper.lock_ref = child.lock_ref
-        upper.hit_count = child.hit_count
-        upper.last_access_time = child.last_access_time
-        upper.priority = child.priority
-        if child.value is not None:
-            upper.value, child.value = child.value[:at], child.value[at:]
-        if child.host_value is not None:
-            upper.host_value, child.host_value = child.host_value[:at], child.host_value[at:]
-        if child.id in self._lost:
-            self._lost[upper.id] = upper
-        child.parent.children[child.key[: self.page_size]] = upper
-        if self._node_keys:
-            self._split_keys(child.id, upper.id, at)
-        child.key = child.key[at:]
-        child.parent = upper
-        upper.children[child.key[: self.page_size]] = child
-        return upper
-
-    def _touch(self, node: TreeNode) -> bool:
-        """A hit on ``node``; True when ``write_through_selective`` now wants it backed up (the caller
-        backs up every such node of one call in one copy op, :meth:`_backup_many`)."""
-        node.last_access_time = self._tick()
-        node.hit_count += 1
-        return (
-            self.write_policy == "write_through_selective"
-            and node.hit_count >= self.write_through_threshold
-            and node.value is not None
-            and node.host_value is None
-        )
-
     # ------------------------------------------------------------------ lookups and inserts
     def match_prefix(self, tokens: Any) -> MatchResult:
         """Longest cached prefix of ``tokens`` (a list or 1-D tensor of ints), page-aligned."""
         self._check_open("match_prefix")
-        if self._tree is not None:
-            return self._match_compiled(tokens)
-        key = page_key(tokens, self.page_size)
-        device: list[torch.Tensor] = []
-        last_device = last_host = self.root
-        host_len = 0
-        dev_len = 0
-        path, _, cut = match_path(self.root, key, self.page_size)
-        if cut:
-            path[-1] = self._split(path[-1], cut)
-        touch = self._touch if self.write_policy == "write_through_selective" else None
-        backups: list[TreeNode] = []
-        lost = self._lost
-        for node in path:
-            if lost and node.id in lost:
-                break  # its device KV is lost (failed load-back) and it has no usable copy until released
-            if touch is None:  # _touch, inlined: the clock ticks once per node
-                self._clock += 1
-                node.last_access_time = self._clock
-                node.hit_count += 1
-            elif touch(node):
-                backups.append(node)
-            if node.value is not None:
-                device.append(node.value)
-                dev_len += len(node.key)
-                last_device = node
-            else:
-                host_len += len(node.key)
-            last_host = node
+        result, backups = self.lookups.match(tokens)
         if backups:
-            self._backup_many(backups)  # every node this hit made worth a backup, in one copy op
-        indices = torch.cat(device) if device else torch.empty(0, dtype=torch.int64)  # a copy: the caller's
-        m = self.metrics
-        m.device_hit_tokens += dev_len
-        m.host_hit_tokens += host_len
-        m.miss_tokens += len(tokens) - dev_len - host_len
-        return MatchResult(indices, last_device, last_host, host_len)
+            self.copies.backup_many(backups)  # every node this hit made worth a backup, in one copy op
+        return result
 
     def insert(self, tokens: Any, device_indices: torch.Tensor, priority: int = 0) -> int:
         """Insert ``tokens`` whose KV sits in ``device_indices`` (one slot per token, page-aligned).
@@ -321,259 +241,193 @@ class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
         the cache).
         """
         self._check_open("insert")
-        if self._tree is not None:
-            return self._insert_compiled(tokens, device_indices, priority)
-        key = page_key(tokens, self.page_size)
-        if len(key) != len(tokens):
-            raise ValueError(
-                f"tokens: expected a page-aligned key (a multiple of page_size {self.page_size}), got {len(tokens)}; "
-                "device_indices: one slot per token"
-            )
-        s = self._slots.as_array(device_indices, len(key))
-        path, end, cut = match_path(self.root, key, self.page_size)
-        # Device-resident nodes come first on a path (invariant); the host-only ones after them get the
-        # caller's slots, as does everything past the match.
-        dup = 0
-        cached: list[torch.Tensor] = []
-        for node in path:
-            if node.value is None:
-                break
-            if cut and node is path[-1]:
-                cached.append(node.value[:cut])
-                dup += cut
-            else:
-                cached.append(node.value)
-                dup += len(node.key)
-        # Usually the caller passes the tree's own slots back for the cached part: those need no check
-        # (allocated, whole pages, and owned, so distinct from the unowned ones the tree takes), only
-        # the rest does. Anything else, or a fault, goes through the full check, which names it.
-        slots = self._slots
-        try:
-            fast = slots.is_cached(s[:dup], cached)
-            if fast:
-                slots.check(s[dup:])
-                slots.check_unowned(s[dup:])
-        except ValueError:
-            fast = False
-        if not fast:
-            slots.check_insert(s, dup, cached)
-        # Checked: from here on nothing raises. One copy of the slots the tree takes (the caller keeps
-        # its tensor); the nodes hold views of it.
-        taken = torch.from_numpy(s[dup:].copy())
-        if cut:
-            path[-1] = self._split(path[-1], cut)
-        touch = self._touch if self.write_policy == "write_through_selective" else None
-        backups: list[TreeNode] = []
-        node, pos = self.root, 0
-        for node in path:
-            n = len(node.key)
-            if node.value is None:
-                node.value = taken[pos - dup : pos - dup + n]
-                self._slots.take(node.value)
-                self._gained_device(node)
-            if priority > node.priority:
-                node.priority = priority
-            if touch is None:  # _touch, inlined
-                self._clock += 1
-                node.last_access_time = self._clock
-                node.hit_count += 1
-            elif touch(node):
-                backups.append(node)
-            pos += n
-        if pos < len(key):
-            new = TreeNode(next(self._ids), node, key[pos:], self._tick())
-            new.value = taken[pos - dup :]
-            self._slots.take(new.value)
-            new.priority = priority
-            node.children[new.key[: self.page_size]] = new
-            new.hit_count = 1
-            self._gained_device(new)
-            if self.write_policy == "write_through":
-                backups.append(new)
+        dup, backups = self.lookups.insert(tokens, device_indices, priority)
         if backups:
-            self._backup_many(backups)  # the new node (write_through) or the hot ones (selective): one op
+            self.copies.backup_many(backups)
         return dup
-
-    # ------------------------------------------------------------------ the compiled core's calls
-    def _match_compiled(self, tokens: Any) -> MatchResult:
-        t = self._tree
-        src = tokens if type(tokens) is list else token_source(tokens)
-        n = len(src)
-        slots, dev_len, host_len, last_dev, last_host, splits, backups = t.core.match(
-            src, n - n % self.page_size, self._touch_mode, self.write_through_threshold
-        )
-        if splits:
-            self._after_splits(splits)
-        if backups:
-            self._backup_many([t.node(i) for i in backups])
-        m = self.metrics
-        m.device_hit_tokens += dev_len
-        m.host_hit_tokens += host_len
-        m.miss_tokens += n - dev_len - host_len
-        return MatchResult(torch.from_numpy(slots), t.node(last_dev), t.node(last_host), host_len)
-
-    def _insert_compiled(self, tokens: Any, device_indices: torch.Tensor, priority: int) -> int:
-        t = self._tree
-        src = tokens if type(tokens) is list else token_source(tokens)
-        n = len(src)
-        if n % self.page_size:
-            raise ValueError(
-                f"tokens: expected a page-aligned key (a multiple of page_size {self.page_size}), got {n}; "
-                "device_indices: one slot per token"
-            )
-        s = self._slots.as_array(device_indices, n)
-        if not s.flags.c_contiguous:
-            s = np.ascontiguousarray(s)
-        mode, threshold = self._touch_mode, self.write_through_threshold
-        status, dup, cached, splits, backups, new, revived = t.core.insert(src, s, priority, mode, threshold, False)
-        if status:  # not the usual slots: the full check names the fault, or accepts them
-            self._slots.check_insert(s, dup, [torch.from_numpy(cached)])
-            status, dup, _, splits, backups, new, revived = t.core.insert(src, s, priority, mode, threshold, True)
-        self._slots.took(n - dup)
-        if splits:
-            self._after_splits(splits)
-        for node_id in revived:
-            self._gained_device(t.node(node_id))
-        if new >= 0:
-            self._gained_device(t.node(new))
-        if backups:
-            self._backup_many([t.node(i) for i in backups])
-        return dup
-
-    def _after_splits(self, splits: list[tuple[int, int, int]]) -> None:
-        """The Python-side state of nodes the core split (a node without a handle has none): the upper
-        node inherits the locks, the first ``at`` host slots and a lost mark, as ``_split`` does."""
-        t = self._tree
-        for lower_id, upper_id, at in splits:
-            if self._node_keys:
-                self._split_keys(lower_id, upper_id, at)
-            lower = t._handles.get(lower_id)
-            if lower is None:
-                continue
-            upper = t.node(upper_id)
-            upper.lock_ref = lower.lock_ref
-            host = lower._host
-            if host is not None:
-                upper._host, lower._host = host[:at], host[at:]
-            if lower_id in self._lost:
-                self._lost[upper_id] = upper
-
-    def _child_nodes(self, node: Any) -> list:
-        if self._tree is not None:
-            return [self._tree.node(c) for c in self._tree.core.children(node.id)]
-        return list(node.children.values())
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (e.g. while a request uses the prefix)."""
-        while node is not self.root:
-            if not node.lock_ref and not node.evicted:
-                self._protected += node.num_tokens
-            node.lock_ref += 1
-            node = node.parent
+        self.tree.inc_lock_ref(node)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Release a lock taken with :meth:`inc_lock_ref`; raises if a count would go negative."""
-        x = node
-        while x is not self.root:
-            if x.lock_ref <= 0:
-                raise RuntimeError(f"dec_lock_ref: {x} is not locked")
-            x = x.parent
-        while node is not self.root:
-            node.lock_ref -= 1
-            if not node.lock_ref:
-                self._unlocked(node)
-            node = node.parent
-        if self._lost:
-            self._release_lost()
+        self.tree.dec_lock_ref(node)
 
-    # ------------------------------------------------------------------ what eviction keeps (no walks)
-    def _is_device_candidate(self, node: Any) -> bool:
-        """Unlocked, on the device, and no child on the device (children an eviction in progress has
-        picked count as gone)."""
-        if node.lock_ref or node.evicted:
-            return False
-        chosen = self._chosen
-        if self._tree is not None:  # ids straight from the core: no handle per child
-            core = self._tree.core
-            return all(c in chosen or not core.has_value(c) for c in core.children(node.id))
-        return all(c.evicted or c.id in chosen for c in node.children.values())
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots if possible, least valuable device leaves first.
 
-    def _is_host_candidate(self, node: Any) -> bool:
-        """Host-only, unlocked, childless, and no storage backup reading its host copy."""
-        return (
-            not node.lock_ref
-            and node.evicted
-            and node.host_value is not None
-            and not (self._tree.core.children(node.id) if self._tree is not None else node.children)
-            and not self._host_pinned(node)
-        )
+        Backed-up nodes keep their host copy and stay in the tree; others are written to the host
+        first under ``write_back``, else deleted. Returns the device slots freed. Under ``write_back``,
+        :class:`CopyError` when a backup failed (nothing is evicted then).
+        """
+        self._check_open("evict")
+        chosen = self.eviction.pick_device(num_tokens)
+        if self.write_policy == "write_back":
+            pending = [x for x in chosen if x.host_value is None]
+            if pending:
+                try:
+                    self.copies.backup_many(pending)  # one copy op for all of them
+                    # Write-back: the host copy must exist before the device copy goes (the storage backups
+                    # these host copies start are not waited for).
+                    self.controller.flush()
+                    self.check_acks()
+                except BaseException:  # nothing is evicted: the picked nodes are candidates again
+                    self.eviction.unpick(chosen)
+                    raise
+                chosen = [x for x in chosen if x.value is not None]  # acks may have released lost subtrees
+        return self.eviction.drop(chosen)
 
-    def _maybe_device_candidate(self, node: Any) -> None:
-        """``node`` may have become a device eviction candidate (checked when popped)."""
-        if self._device_candidates is not None:
-            self._device_candidates.push(node)
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots if possible by deleting host-only leaves."""
+        self._check_open("evict_host")
+        return self.eviction.evict_host(num_tokens)
 
-    def _maybe_host_candidate(self, node: Any) -> None:
-        """``node`` may have become a host eviction candidate (checked when popped)."""
-        if self._host_candidates is not None:
-            self._host_candidates.push(node)
+    # ------------------------------------------------------------------ load-backs
+    def load_back(self, node: TreeNode, mem_quota: int | None = None, *, agree: str = "now") -> torch.Tensor | None:
+        """Bring the host-only part of the prefix ending at ``node`` back to device slots
+        (:mod:`hicache.load_backs`).
 
-    def _gained_device(self, node: Any) -> None:
-        """``node`` got device slots: protected tokens if it is locked, else maybe a device leaf."""
-        if node.lock_ref:
-            self._protected += node.num_tokens
-        else:
-            self._maybe_device_candidate(node)
+        Returns the new device slots (in prefix order; the copy starts with :meth:`start_loading` and
+        the nodes stay locked until its ack is processed), or None when skipped: nothing to load,
+        fewer than ``load_back_threshold`` tokens, more than ``mem_quota`` tokens, or more than the
+        free plus evictable device slots (then nothing is evicted).
 
-    def _unlocked(self, node: Any) -> None:
-        """``node``'s last lock went: its tokens are evictable again, and it may be a candidate."""
-        if not node.evicted:
-            self._protected -= node.num_tokens
-            self._maybe_device_candidate(node)
-        elif node.host_value is not None:
-            self._maybe_host_candidate(node)
+        ``agree``: ``"now"`` agrees the decision across TP ranks before returning (one collective);
+        ``"step"`` leaves it to the step's :meth:`agree_load_backs`, which may revoke the slots returned
+        here, and records an error inside the load-back (then None here) for it to raise.
 
-    def _lost_child(self, parent: Any) -> None:
-        """A child of ``parent`` lost its device copy or left the tree: ``parent`` may be a leaf now."""
-        if parent is not self.root:
-            self._maybe_device_candidate(parent)
-            self._maybe_host_candidate(parent)
+        Raises (and changes nothing) ``TypeError`` / ``ValueError`` naming ``node``, ``mem_quota`` or
+        ``agree``: ``node`` must be a node of this tree still in it (a host eviction after the match may
+        have deleted it: match again); ``RuntimeError`` after :meth:`close`.
+        """
+        self._check_open("load_back")
+        return self.load_backs.load_back(node, mem_quota, agree)
 
+    def agree_load_backs(self) -> list[int]:
+        """Settle the step's ``agree="step"`` load-backs across TP ranks in ONE collective (none without a
+        group or without such load-backs): one that did not go on every rank is revoked where it went
+        (its device slots freed, its nodes host-only again, its lock released; no copy had started).
+        Returns the ids of the revoked load-backs' ``node`` arguments, in call order; raises the first
+        error recorded inside this rank's load-backs, after settling them."""
+        self._check_open("agree_load_backs")
+        return self.load_backs.agree()
+
+    def start_loading(self) -> int:
+        """Start the queued load-backs as one layer-by-layer batch (see the controller). Load-backs
+        decided with ``agree="step"`` must be settled by :meth:`agree_load_backs` first
+        (``RuntimeError`` otherwise: a copy that starts cannot be revoked)."""
+        self._check_open("start_loading")
+        if self.load_backs.step:
+            raise RuntimeError(
+                f"start_loading: {len(self.load_backs.step)} load-back(s) decided with agree='step' are not "
+                "settled; call agree_load_backs() first"
+            )
+        return self.controller.start_loading()
+
+    # ------------------------------------------------------------------ acks
+    def check_writes(self) -> int:
+        """Process finished backups (agreed across TP ranks): host slots become SYNCED, nodes unlock.
+        Returns how many were processed; raises :class:`CopyError` after rolling back failed ones."""
+        failures: list = []
+        n = self.copies.take_writes(failures)
+        self.storage_ops.take_backups()  # storage backups that finished: nodes unpin (no collective without storage)
+        self.copies.raise_failures(failures)
+        return n
+
+    def check_loads(self) -> int:
+        """Process finished load-backs: host slots back to SYNCED, nodes unlock, latency recorded.
+        Returns how many were processed; raises :class:`CopyError` after rolling back failed ones."""
+        failures: list = []
+        n = self.copies.take_loads(failures)
+        self.copies.raise_failures(failures)
+        return n
+
+    def check_acks(self) -> int:
+        """Process the finished backups and load-backs of this step and the storage tier's finished
+        backups together, agreed across TP ranks in ONE collective (:meth:`check_writes` and
+        :meth:`check_loads` take one or two each). Returns how many copies were processed; raises
+        :class:`CopyError` after rolling back failed ones. What a scheduler calls once per step."""
+        failures: list = []
+        tier = self.storage_ops.tier
+        counts = None if tier is None else {"storage": tier.landed_backups()}
+        done = self.controller.finished(counts=counts)
+        n = self.copies.take_writes(failures, done["write"]) + self.copies.take_loads(failures, done["load"])
+        self.storage_ops.take_backups(done["counts"].get("storage"))
+        self.copies.raise_failures(failures)
+        return n
+
+    def check_storage(self) -> int:
+        """Process finished storage backups (agreed across TP ranks): their nodes unpin. Returns how many.
+        A scheduler calls it each step beside ``check_writes``; failed backups are counted in
+        ``metrics.storage_backups_failed``, not raised."""
+        self._check_open("check_storage")
+        return self.storage_ops.take_backups()
+
+    # ------------------------------------------------------------------ storage prefetches
+    def prefetch_from_storage(self, request_id: Any, last_host_node: Any, tokens: Any) -> bool:
+        """Ask for the stored pages of ``tokens`` beyond ``last_host_node``; call it when the request
+        arrives, then :meth:`check_prefetch_progress` until it admits the request.
+
+        Parameters
+        ----------
+        request_id : any hashable; names the prefetch in :meth:`check_prefetch_progress`.
+        last_host_node : ``match_prefix(tokens).last_host_node``: the pages continue its prefix (it stays
+            locked until the prefetch ends).
+        tokens : the request's token ids (a list or 1-D integer tensor), the matched prefix included.
+
+        Returns True when a prefetch was requested: the query thread keys the pages and asks the
+        backend how many leading ones it holds, with no collective and no waiting here. False when
+        fewer than the policy's ``threshold_tokens`` lie beyond the match (the same on every rank).
+        Raises ``RuntimeError`` without a storage tier or after :meth:`close`, ``ValueError`` for a
+        ``request_id`` already prefetching or a node no longer in the tree; nothing changes then.
+        """
+        self._check_open("prefetch_from_storage")
+        return self.storage_ops.request(request_id, last_host_node, tokens)
+
+    def check_prefetch_progress(self, request_id: Any) -> bool:
+        """Whether the request may be admitted: :meth:`check_prefetches` of this one request.
+        ``ValueError`` for an unknown ``request_id``."""
+        return bool(self.check_prefetches([request_id]))
+
+    def check_prefetches(self, request_ids: Iterable[Any]) -> list[Any]:
+        """The requests among ``request_ids`` that may be admitted now, in the given order (every rank
+        passes the same ids in the same order). Agreed across TP ranks in one collective for all of
+        them when no prefetch changes state, and at most four when some do (the same on every rank),
+        whatever their number: what a scheduler calls once per step.
+
+        A prefetch whose query is done on every rank has its hit agreed (MIN), host slots allocated
+        for it (making room in the host pool if needed) and its read started; a prefetch then ends by
+        the policy: ``best_effort`` at once (a query not done yet ends it with nothing),
+        ``wait_complete`` when every page is read or failed, ``timeout`` also at its deadline. When it
+        ends, the pages that landed on every rank are in the tree as a host-only node under the matched
+        node (match again, then ``load_back``). ``ValueError`` for an unknown or repeated id, before
+        anything changes."""
+        self._check_open("check_prefetches")
+        return self.storage_ops.check(request_ids)
+
+    # ------------------------------------------------------------------ state
     def flush(self) -> None:
         """Wait for every copy in flight and process the acks (:class:`CopyError` for failed ones)."""
         self._check_open("flush")
-        if self._step_loads:  # settled first: a queued load-back may not start unagreed
+        if self.load_backs.step:  # settled first: a queued load-back may not start unagreed
             self.agree_load_backs()
         self.controller.flush()
-        self._take_acks()
-        if self._storage is not None:  # the backups the acks above queued, too
-            self._storage.wait_backups()
-            self._take_storage()
+        self.check_acks()
+        tier = self.storage_ops.tier
+        if tier is not None:  # the backups the acks above queued, too
+            tier.wait_backups()
+            self.storage_ops.take_backups()
 
-    # ------------------------------------------------------------------ nodes
-    def _nodes(self, start: TreeNode | None = None):
-        """Every node below ``start`` (default: the root), ``start`` itself excluded."""
-        if self._tree is not None:
-            t = self._tree
-            return [t.node(i) for i in t.core.subtree((start or self.root).id)]
-        return subtree(start or self.root)
-
-    # ------------------------------------------------------------------ load-back
-    def _attached(self, node: Any) -> bool:
-        """``node`` is a node of this tree, still in it."""
-        if self._tree is not None:
-            return isinstance(node, CompiledNode) and self._tree.attached(node)
-        return isinstance(node, TreeNode) and is_attached(self.root, node, self.page_size)
-
-    # ------------------------------------------------------------------ state
     def evictable_size(self) -> int:
         """Device tokens in unlocked nodes (kept as nodes change: no walk)."""
-        return self._slots.count - self._protected
+        return self.tree.evictable_size()
 
     def protected_size(self) -> int:
         """Device tokens in locked nodes (kept as nodes change: no walk)."""
-        return self._protected
+        return self.tree.protected
 
     def verify(self, external_device: torch.Tensor | None = None) -> None:
         """Check every invariant of the module docstring; raises AssertionError naming the first broken.
@@ -582,8 +436,11 @@ class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
         The tree's copies in flight are compared with the controller's: a controller that also serves
         other callers fails this check.
         """
-        check_invariants(self, external_device)
-        check_kept(self)
+        check_invariants(
+            self.tree, self.device_pool, self.host_pool, self.controller, self.copies, self.storage_ops,
+            external_device,
+        )  # fmt: skip
+        check_kept(self.tree)
 
     def close(self, drain: bool = True, timeout: float = 60.0) -> None:
         """Stop the cache: afterwards no call changes the tree (they raise ``RuntimeError``).
@@ -612,9 +469,9 @@ class HiRadixCache(CopyAcks, Eviction, LoadBacks, StorageOps):
         elif drain and not self.controller.closed:
             self.controller.flush()  # the controller stays open: it is not the cache's to close
         try:
-            self._take_acks()
+            self.check_acks()
         finally:
-            self._close_storage()
+            self.storage_ops.close()
 
     def __enter__(self) -> HiRadixCache:
         return self
