@@ -1,20 +1,29 @@
 """Build entry point for hicache-kernels.
 
-The CUDA extension ``hicache_kernels._C`` is compiled by nvcc (kernels) and the host C++ compiler
-(pybind11 bindings) through a generated ninja file, and linked against the *static* CUDA runtime. It
-never includes or links torch, so one wheel serves every torch version.
+Two extensions, each through its own generated ninja file:
+
+- ``hicache._core`` (csrc/host/): the cache layer's host core (radix tree, page stack, eviction
+  candidates, page checksums), plain C++ and pybind11 compiled by the host C++ compiler (``CXX``,
+  default ``c++``) alone. Built in EVERY build, HICACHE_SKIP_CUDA=1 and no toolkit included; without
+  a host compiler the build fails saying so.
+- ``hicache_kernels._C`` (csrc/'s own files): the CUDA extension, compiled by nvcc (kernels) and the
+  host C++ compiler (pybind11 bindings), and linked against the *static* CUDA runtime.
+
+Neither includes or links torch, so one wheel serves every torch version.
 
 Environment:
   HICACHE_CUDA_ARCHS    target archs, e.g. "90" or "80;90;100;120" ("9.0" and "+PTX" accepted);
                         falls back to TORCH_CUDA_ARCH_LIST, then to the default in _archs.py.
-  HICACHE_SKIP_CUDA=1   build the pure-Python package only (Triton and torch backends).
+  HICACHE_SKIP_CUDA=1   build without the CUDA extension (Triton and torch io-backends only); the host
+                        core hicache._core is still built.
+  CXX                   the host C++ compiler (default: c++).
   CUDA_HOME / CUDA_PATH the toolkit to use; when set it is authoritative. Otherwise /usr/local/cuda,
                         then the toolkit around the first ``nvcc`` on PATH.
   MAX_JOBS              parallel compile jobs (default: number of CPUs).
   NVCC_APPEND_FLAGS     extra nvcc flags.
   HICACHE_LOCAL_VERSION the wheel's local version label (after "+"). Default: "cu<CUDA major><minor>"
                         and one "sm<arch>" per arch ("ptx" appended where PTX is embedded), e.g.
-                        "cu130.sm80.sm90ptx"; "cpu" for a pure-Python build. Empty: no label.
+                        "cu130.sm80.sm90ptx"; "cpu" for a build without CUDA. Empty: no label.
 
 The version is ``__version__`` of hicache_kernels/__init__.py plus that label; an sdist carries none.
 """
@@ -40,6 +49,10 @@ from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
 META_NAME = "_build_meta.json"
+HOST_CORE = "hicache._core"  # csrc/host/: the cache layer's radix tree, page stack, candidates, checksums
+CUDA_EXT = "hicache_kernels._C"  # csrc/: transfers, copy engine, runtime facts
+# The host compiler's flags for both extensions' C++ units.
+HOST_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
 # The one translation unit compiled with the arch list (HICACHE_ARCH_LIST), so that a new arch list
 # recompiles it and the kernels but not the pybind11 bindings.
 BUILD_FACTS = "build_facts.cpp"
@@ -104,7 +117,7 @@ class BuildPlan:
     """What this build does, decided once from the environment: the wheel's version names it, and
     the version is needed before build_ext runs."""
 
-    skip_reason: str | None = None  # set: a pure-Python build, and why
+    skip_reason: str | None = None  # set: a build without the CUDA extension, and why
     cuda_home: Path | None = None
     where: str = ""  # how the toolkit was found
     cuda_version: int | None = None  # CUDART_VERSION of the toolkit, e.g. 13000
@@ -164,16 +177,51 @@ def _ninja_escape(path: str) -> str:
     return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
 
-class NinjaCudaBuild(build_ext):
-    """Compile ``hicache_kernels._C`` with nvcc + ninja, or skip it and say why."""
+def find_cxx(env: dict[str, str]) -> list[str]:
+    """The host C++ compiler command (``CXX``, default ``c++``) as arguments; ``RuntimeError`` saying
+    what to do when it is not there: every build needs it, for the host core at least."""
+    cxx = shlex.split(env.get("CXX") or "c++")
+    if not cxx or shutil.which(cxx[0]) is None:
+        raise RuntimeError(
+            f"hicache-kernels: no host C++ compiler: {'CXX=' + repr(env['CXX']) if env.get('CXX') else 'c++'} "
+            f"was not found. Every build compiles the cache layer's host core {HOST_CORE} with it (also with "
+            "HICACHE_SKIP_CUDA=1 or without CUDA): install one (e.g. g++) or point CXX at it."
+        )
+    return cxx
+
+
+def _ninja() -> str:
+    ninja = shutil.which("ninja")
+    if ninja is not None:
+        return ninja
+    try:
+        import ninja as ninja_pkg  # the PyPI package ships the binary
+    except ImportError as exc:
+        raise RuntimeError("ninja is required to build the extensions: pip install ninja") from exc
+    return str(Path(ninja_pkg.BIN_DIR) / "ninja")
+
+
+def _q(args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)
+
+
+class NinjaBuild(build_ext):
+    """Compile the host core ``hicache._core`` with the host C++ compiler, always, and
+    ``hicache_kernels._C`` with nvcc + the host compiler, or skip ``_C`` and say why. Each extension
+    has its own generated ninja file and build folder."""
 
     plan: BuildPlan  # set before setup() runs
 
     def build_extensions(self) -> None:
         plan = self.plan
         version = self.distribution.get_version()
+        if plan.skip_reason is None and plan.error is not None:
+            raise plan.error  # a setting the CUDA build refuses: fail before compiling anything
+        exts = {ext.name: ext for ext in self.extensions}
+        cxx = find_cxx(dict(os.environ))
+        self._build_host_core(exts[HOST_CORE], cxx)
         meta: dict = {"version": version, "cuda_built": False}
-        ext = self.extensions[0]
+        ext = exts[CUDA_EXT]
         out_path = Path(self.get_ext_fullpath(ext.name))
         out_path.parent.mkdir(parents=True, exist_ok=True)
         if plan.skip_reason is not None:
@@ -183,13 +231,12 @@ class NinjaCudaBuild(build_ext):
             _announce(
                 [
                     f"building WITHOUT the CUDA extension: {plan.skip_reason}.",
-                    "The package installs as pure Python (torch and Triton io-backends only);",
+                    f"The package installs without {CUDA_EXT} (torch and Triton io-backends only);",
                     "the 'kernel' and 'batch' io-backends will raise, naming this reason.",
+                    f"The cache layer's host core {HOST_CORE} is built (host C++ compiler only).",
                 ]
             )
         else:
-            if plan.error is not None:
-                raise plan.error
             cuda = _archs.cuda_version_text(plan.cuda_version)
             _announce(
                 [
@@ -197,7 +244,7 @@ class NinjaCudaBuild(build_ext):
                     f"(from {plan.archs_source}) as version {version}"
                 ]
             )
-            self._ninja_build(ext, plan, out_path)
+            self._build_cuda(ext, plan, cxx, out_path)
             meta.update(
                 cuda_built=True,
                 archs=plan.arch_names,
@@ -207,53 +254,66 @@ class NinjaCudaBuild(build_ext):
             )
         (out_path.parent / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
 
+    def _meta_path(self) -> Path:
+        """The build record: next to ``hicache_kernels._C``, built or not."""
+        return Path(self.get_ext_fullpath(CUDA_EXT)).parent / META_NAME
+
     def get_outputs(self) -> list[str]:
         outputs = [o for o in super().get_outputs() if Path(o).exists()]
-        meta = Path(self.get_ext_fullpath(self.extensions[0].name)).parent / META_NAME
-        return [*outputs, str(meta)]
+        return [*outputs, str(self._meta_path())]
 
     def copy_extensions_to_source(self) -> None:
-        # In-place and editable builds: copy the extension (when built) and the build record into
-        # the source tree, and remove a stale extension left there by an earlier build.
+        # In-place and editable builds: copy each extension (when built) and the build record into the
+        # source tree, and remove a stale extension left there by an earlier build.
         build_py = self.get_finalized_command("build_py")
-        inplace_file, regular_file = self._get_inplace_equivalent(build_py, self.extensions[0])
-        if Path(regular_file).exists():
-            self.copy_file(regular_file, inplace_file, level=self.verbose)
-        elif Path(inplace_file).exists():
-            Path(inplace_file).unlink()
-        self.copy_file(
-            str(Path(regular_file).parent / META_NAME), str(Path(inplace_file).parent / META_NAME), level=self.verbose
-        )
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            if Path(regular_file).exists():
+                self.copy_file(regular_file, inplace_file, level=self.verbose)
+            elif Path(inplace_file).exists():
+                Path(inplace_file).unlink()
+            if ext.name == CUDA_EXT:
+                meta = str(Path(regular_file).parent / META_NAME)
+                self.copy_file(meta, str(Path(inplace_file).parent / META_NAME), level=self.verbose)
 
     def _get_output_mapping(self):
         if not self.inplace:
             return
         build_py = self.get_finalized_command("build_py")
-        inplace_file, regular_file = self._get_inplace_equivalent(build_py, self.extensions[0])
-        if Path(regular_file).exists():
-            yield inplace_file, regular_file
-        yield str(Path(inplace_file).parent / META_NAME), str(Path(regular_file).parent / META_NAME)
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            if Path(regular_file).exists():
+                yield inplace_file, regular_file
+            if ext.name == CUDA_EXT:
+                yield str(Path(inplace_file).parent / META_NAME), str(Path(regular_file).parent / META_NAME)
 
-    def _ninja_build(self, ext: Extension, plan: BuildPlan, out_path: Path) -> None:
-        ninja = shutil.which("ninja")
-        if ninja is None:
-            try:
-                import ninja as ninja_pkg  # the PyPI package ships the binary
-
-                ninja = str(Path(ninja_pkg.BIN_DIR) / "ninja")
-            except ImportError as exc:
-                raise RuntimeError("ninja is required to build the CUDA extension: pip install ninja") from exc
+    def _build_host_core(self, ext: Extension, cxx: list[str]) -> None:
         import pybind11
 
-        build_dir = Path(self.build_temp).resolve() / "hicache_C"
-        build_dir.mkdir(parents=True, exist_ok=True)
+        _announce([f"building the host core {HOST_CORE} with {_q(cxx)}"])
+        out_path = Path(self.get_ext_fullpath(ext.name))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        includes = [str(ROOT / "csrc" / "host"), sysconfig.get_paths()["include"], pybind11.get_include()]
+        cxx_flags = [*HOST_FLAGS, *[f"-I{i}" for i in includes]]
+        build_dir = Path(self.build_temp).resolve() / "hicache_core"
+        lines = [
+            "ninja_required_version = 1.3",
+            f"cxx = {_q(cxx)}",
+            f"cxx_flags = {_q(cxx_flags)}",
+            "ldflags = -shared",
+            *_CXX_RULES,
+        ]
+        self._run_ninja(build_dir, lines, [(src, "cxx", None) for src in ext.sources], out_path)
+
+    def _build_cuda(self, ext: Extension, plan: BuildPlan, cxx: list[str], out_path: Path) -> None:
+        import pybind11
+
         cuda_home = plan.cuda_home
         includes = [str(ROOT / "csrc"), str(cuda_home / "include")]
         py_includes = [sysconfig.get_paths()["include"], pybind11.get_include()]
-        cxx = os.environ.get("CXX", "c++")
-        common = ["-O3", "-std=c++17"]
         nvcc_flags = [
-            *common,
+            "-O3",
+            "-std=c++17",
             "-Xcompiler=-fPIC",
             "-Xcompiler=-fvisibility=hidden",
             "--expt-relaxed-constexpr",
@@ -262,12 +322,7 @@ class NinjaCudaBuild(build_ext):
             *[f"-I{i}" for i in includes],
             *shlex.split(os.environ.get("NVCC_APPEND_FLAGS", "")),
         ]
-        cxx_flags = [
-            *common,
-            "-fPIC",
-            "-fvisibility=hidden",
-            *[f"-I{i}" for i in includes + py_includes],
-        ]
+        cxx_flags = [*HOST_FLAGS, *[f"-I{i}" for i in includes + py_includes]]
         ldflags = [
             "-shared",
             f"-L{cuda_home / 'lib64'}",
@@ -278,43 +333,60 @@ class NinjaCudaBuild(build_ext):
             "-lrt",
             "-lpthread",
         ]
-        q = lambda args: " ".join(shlex.quote(a) for a in args)  # noqa: E731
         lines = [
             "ninja_required_version = 1.3",
             f"nvcc = {shlex.quote(str(cuda_home / 'bin' / 'nvcc'))}",
-            f"cxx = {shlex.quote(cxx)}",
-            f"nvcc_flags = {q(nvcc_flags)}",
-            f"cxx_flags = {q(cxx_flags)}",
-            f"ldflags = {q(ldflags)}",
+            f"cxx = {_q(cxx)}",
+            f"nvcc_flags = {_q(nvcc_flags)}",
+            f"cxx_flags = {_q(cxx_flags)}",
+            f"ldflags = {_q(ldflags)}",
             "rule nvcc",
             "  command = $nvcc $nvcc_flags -MD -MF $out.d -c $in -o $out",
             "  depfile = $out.d",
             "  deps = gcc",
             "  description = NVCC $in",
-            "rule cxx",
-            "  command = $cxx $cxx_flags $defines -MMD -MF $out.d -c $in -o $out",
-            "  depfile = $out.d",
-            "  deps = gcc",
-            "  description = CXX $in",
-            "rule link",
-            "  command = $cxx $in $ldflags -o $out",
-            "  description = LINK $out",
+            *_CXX_RULES,
         ]
-        objects = []
+        units = []
         for src in ext.sources:
+            rule = "nvcc" if src.endswith(".cu") else "cxx"
+            defines = [f'-DHICACHE_ARCH_LIST="{plan.arch_names}"'] if Path(src).name == BUILD_FACTS else None
+            units.append((src, rule, defines))
+        self._run_ninja(Path(self.build_temp).resolve() / "hicache_C", lines, units, out_path)
+
+    def _run_ninja(self, build_dir: Path, lines: list[str], units: list, out_path: Path) -> None:
+        """Write ``lines`` plus one build statement per ``(source, rule, defines)`` and the link into
+        ``build_dir/build.ninja``, run ninja there, and copy the linked library to ``out_path``."""
+        build_dir.mkdir(parents=True, exist_ok=True)
+        lines = list(lines)
+        objects = []
+        for src, rule, defines in units:
             src_path = (ROOT / src).resolve()
             obj = build_dir / (src_path.name + ".o")
-            rule = "nvcc" if src_path.suffix == ".cu" else "cxx"
             lines.append(f"build {_ninja_escape(str(obj))}: {rule} {_ninja_escape(str(src_path))}")
-            if src_path.name == BUILD_FACTS:
-                lines.append("  defines = " + q([f'-DHICACHE_ARCH_LIST="{plan.arch_names}"']))
+            if defines:
+                lines.append("  defines = " + _q(defines))
             objects.append(_ninja_escape(str(obj)))
         so = build_dir / out_path.name
         lines.append(f"build {_ninja_escape(str(so))}: link {' '.join(objects)}")
         (build_dir / "build.ninja").write_text("\n".join(lines) + "\n")
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
-        subprocess.run([ninja, "-C", str(build_dir), "-j", jobs], check=True)
+        subprocess.run([_ninja(), "-C", str(build_dir), "-j", jobs], check=True)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(so, out_path)
+
+
+# The host compiler's rules of both ninja files: compile a C++ unit, link the shared library.
+_CXX_RULES = [
+    "rule cxx",
+    "  command = $cxx $cxx_flags $defines -MMD -MF $out.d -c $in -o $out",
+    "  depfile = $out.d",
+    "  deps = gcc",
+    "  description = CXX $in",
+    "rule link",
+    "  command = $cxx $in $ldflags -o $out",
+    "  description = LINK $out",
+]
 
 
 class SourceDist(sdist):
@@ -326,15 +398,20 @@ class SourceDist(sdist):
         super().run()
 
 
-NinjaCudaBuild.plan = plan_build(os.environ)
+def _sources(folder: Path, suffixes: tuple[str, ...]) -> list[str]:
+    """The translation units directly in ``folder`` (not in its subfolders), relative to the root."""
+    return sorted(str(p.relative_to(ROOT)) for p in folder.iterdir() if p.is_file() and p.suffix in suffixes)
+
+
+NinjaBuild.plan = plan_build(os.environ)
 setup(
-    version=wheel_version(NinjaCudaBuild.plan, os.environ),
+    version=wheel_version(NinjaBuild.plan, os.environ),
     **license_metadata(),
     ext_modules=[
-        Extension(
-            "hicache_kernels._C",
-            sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cpp")),
-        )
+        # Plain C++ (csrc/host/), host compiler only: in every build.
+        Extension(HOST_CORE, sources=_sources(ROOT / "csrc" / "host", (".cpp",))),
+        # csrc/'s own .cu/.cpp files (csrc/host/ is the core's): skipped without CUDA.
+        Extension(CUDA_EXT, sources=_sources(ROOT / "csrc", (".cu", ".cpp"))),
     ],
-    cmdclass={"build_ext": NinjaCudaBuild, "sdist": SourceDist},
+    cmdclass={"build_ext": NinjaBuild, "sdist": SourceDist},
 )

@@ -7,6 +7,8 @@ table, the host pool's byte layout and, per (direction, layer range), the
 they derive from it (device tables uploaded once, the host pool's device alias, kernel descriptors
 and vector width: :mod:`hicache_kernels.launch`). A transfer then checks only its indices (and, with
 ``check_indices=True``, their range and repeats: one sync for CUDA indices) and issues one launch.
+A caller that issues one batch in parts (a cache controller loading layer by layer) prepares it once
+(:meth:`KVBinding.batch_plan`) and runs each layer's part (:meth:`KVBinding.layer_plan`).
 
 The functions of :mod:`hicache_kernels.ops` use the same machinery through a cache of bindings keyed
 by the pools' identity (:func:`bound_pools`): a call with the same pool objects finds its binding
@@ -26,7 +28,6 @@ behind a :class:`KVBinding` (the ops' cache does notice a list whose layers diff
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +35,11 @@ import torch
 from . import _custom_ops
 from ._validate import DevicePool, int_arg
 from .backends import IOBackend, get_backend
+from .backends.base import plan_stream
 from .bound_pools import BoundPools, bound_pools, cached_bindings, check_direction, pool_tensors
-from .iobackend import plan_stream
 from .plan import TransferPlan
 
-__all__ = ["BoundPools", "KVBinding", "LayerLoads", "bound_pools", "cached_bindings", "check_direction", "pool_tensors"]
+__all__ = ["BoundPools", "KVBinding", "bound_pools", "cached_bindings", "check_direction", "pool_tensors"]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -73,9 +74,11 @@ class KVBinding:
     >>> pools.backup(torch.tensor([3, 4]), torch.tensor([0, 1]), backend="direct")
     >>> torch.equal(host[1, :2], v[:, [3, 4]].transpose(0, 1))
     True
-    >>> loads = pools.layer_loads(torch.tensor([9, 10]), torch.tensor([0, 1]), backend="direct")
+    >>> from hicache_kernels.backends import get_backend
+    >>> direct = get_backend("direct")
+    >>> batch = pools.batch_plan("h2d", torch.tensor([9, 10]), torch.tensor([0, 1]), backend=direct)
     >>> for layer in range(pools.num_layers):
-    ...     loads(layer)  # issues that layer's copy only
+    ...     direct.run(pools.layer_plan(batch, layer))  # that layer's copy only
     >>> torch.equal(k[1, 9], k[1, 3])
     True
     """
@@ -172,61 +175,74 @@ class KVBinding:
         self.transfer("h2d", device_indices, host_indices, layer_id=layer_id, backend=backend, stream=stream,
                       check_indices=check_indices)  # fmt: skip
 
-    def layer_loads(
+    def batch_plan(
         self,
+        direction: str,
         device_indices: torch.Tensor,
         host_indices: torch.Tensor,
         *,
         backend: str | IOBackend = "auto",
         stream: Any = None,
         check_indices: bool = True,
-    ) -> LayerLoads:
-        """A layer-wise load of one batch of slots (:class:`LayerLoads`): the indices are checked and
-        moved where the backend reads them once, here; ``loads(layer_id)`` then issues that layer."""
-        return LayerLoads(self, device_indices, host_indices, backend, stream, check_indices)
+    ) -> TransferPlan:
+        """The plan of one batch of slot pairs over every layer, made ready to be issued in parts
+        (:meth:`layer_plan`): the per-batch work is done here, once.
 
+        Parameters
+        ----------
+        direction : ``"d2h"`` (backup) or ``"h2d"`` (load).
+        device_indices, host_indices : the batch's slot pairs, as for :meth:`transfer`.
+        backend : the backend that will run the plan's parts (a name or an :class:`IOBackend`): it
+            decides where the indices go.
+        stream : the stream the parts go to; None: on a GPU, the current stream of the pool's device
+            now (fixed for every part).
+        check_indices : check the indices' range and repeats (one sync for CUDA indices).
 
-class LayerLoads:
-    """Loads of one set of slot pairs, issued layer by layer (``loads(layer_id)``), for a controller
-    that lets the model start on layer ``l`` while later layers are still in flight.
+        Returns
+        -------
+        TransferPlan
+            Over every layer, with its indices where ``backend`` reads them (on the host for the copy
+            engines: one copy of CUDA indices instead of one per part; otherwise on the pool's device,
+            uploaded on the plan's stream, so ordered before every launch on it) and, on a GPU, its
+            stream fixed and checked to be on the pool's device.
 
-    Made by :meth:`KVBinding.layer_loads`, which does the per-batch work once: index checks (one sync
-    for CUDA indices when ``check_indices``), and the move of the indices to where the backend reads
-    them (to the GPU for ``kernel``/``triton``, on the launch stream; to the host for the copy
-    engines). Each layer's copy is prepared by its first call (route, descriptors: nothing is
-    re-validated) and issued; calling a layer again issues it again. Everything goes to ``stream``,
-    or the stream current on the pool's device when the loads were made.
-    """
-
-    def __init__(self, binding: KVBinding, device_indices: Any, host_indices: Any, backend: Any, stream: Any,
-                 check_indices: bool) -> None:  # fmt: skip
+        Raises
+        ------
+        TypeError, ValueError, IndexError
+            As :meth:`transfer` for the indices, ``backend`` and ``stream``; nothing is issued then.
+        """
         if not isinstance(backend, (str, IOBackend)):
             raise TypeError(f"backend: expected a backend name (str) or an IOBackend, got {type(backend).__name__}")
-        whole = binding.plan("h2d", device_indices, host_indices, check_indices=check_indices, stream=stream)
-        self.backend = get_backend(backend)
-        route = whole.route
+        batch = self.plan(direction, device_indices, host_indices, check_indices=check_indices, stream=stream)
+        route = batch.route
         if route.on_cuda:
-            stream = whole.stream = plan_stream(whole)  # checked to be on the pool's device; fixed for every layer
-        h_idx, d_idx = whole.src_indices, whole.dst_indices
-        if self.backend.wants_host_indices(whole):
-            h_idx, d_idx = h_idx.cpu(), d_idx.cpu()  # one sync for CUDA indices, instead of one per layer
+            batch.stream = plan_stream(batch)  # checked to be on the pool's device; fixed for every part
+        src, dst = batch.src_indices, batch.dst_indices
+        if get_backend(backend).wants_host_indices(batch):
+            batch.src_indices, batch.dst_indices = src.cpu(), dst.cpu()
         elif route.on_cuda:
-            with torch.cuda.stream(stream):  # ordered before every launch on that stream
-                h_idx, d_idx = (t.to(route.device, non_blocking=True) for t in (h_idx, d_idx))
-        self._pools = binding._pools
-        self.binding, self.stream = binding, stream
-        self.device_indices, self.host_indices = d_idx, h_idx  # where the backend reads them
-        self._args = (h_idx, d_idx, stream, whole.src_tensors, whole.dst_tensors)
-        self._issues: list[Callable[[], None] | None] = [None] * binding.num_layers
+            with torch.cuda.stream(batch.stream):  # ordered before every launch on that stream
+                batch.src_indices, batch.dst_indices = (t.to(route.device, non_blocking=True) for t in (src, dst))
+        return batch
 
-    def __len__(self) -> int:
-        return len(self._issues)
+    def layer_plan(self, plan: TransferPlan, layer_id: int) -> TransferPlan:
+        """Layer ``layer_id`` of ``plan``, a plan of these pools over every layer (:meth:`batch_plan`,
+        :meth:`plan`): the same indices, stream and tensors, on that layer's route (built once per
+        binding). Nothing is re-checked: ``backend.prepare`` of the result issues that layer only.
 
-    def __call__(self, layer_id: int) -> None:
-        """Issue layer ``layer_id``'s load (asynchronous on a GPU)."""
-        issue = self._issues[layer_id] if type(layer_id) is int and 0 <= layer_id < len(self._issues) else None
-        if issue is None:
+        Raises
+        ------
+        TypeError
+            ``layer_id`` is not an integer.
+        ValueError
+            ``layer_id`` is outside ``[0, num_layers)``, or ``plan`` is not a plan of these pools over
+            every layer.
+        """
+        pools = self._pools
+        direction = plan.route.direction
+        if plan.route is not pools.route(direction, None):  # the binding's one route over every layer
+            raise ValueError("plan: expected a plan of this binding's pools over every layer (batch_plan, plan)")
+        if type(layer_id) is not int:
             layer_id = int_arg(layer_id, "layer_id")
-            route = self._pools.route("h2d", layer_id)
-            issue = self._issues[layer_id] = self.backend.prepare(TransferPlan(route, *self._args))
-        issue()
+        return TransferPlan(pools.route(direction, layer_id), plan.src_indices, plan.dst_indices, plan.stream,
+                            plan.src_tensors, plan.dst_tensors)  # fmt: skip

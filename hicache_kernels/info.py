@@ -3,9 +3,9 @@
 Prints versions (the package's, and the one its build was given, with its local label), the archs
 compiled in, the CUDA version built with and the oldest driver that can run it, CUDA runtime and driver
 versions, each visible GPU with its PCIe link and the theoretical bandwidth it implies, and which
-io-backends are usable (``python -m hicache.info`` adds what the cache layer takes: its radix-tree
-core). ``--json`` prints the same as one JSON object. It never fails for lack of a GPU, a driver or
-NVML: it says so.
+io-backends are usable (``python -m hicache.info`` adds what the cache layer takes: its compiled host
+core and its radix-tree core). ``--json`` prints the same as one JSON object. It never fails for lack of
+a GPU, a driver or NVML: it says so.
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append("  io-backends:")
     for name, s in r["io_backends"].items():
         lines.append(f"    {name:<7} {'usable' if s['usable'] else 'unusable'}: {s['reason']}")
+    hc = r.get("host_core")
+    if hc is not None:
+        where = f"built ({hc['file']})" if hc["built"] else f"NOT available: {hc['reason']}"
+        lines.append(f"  hicache host core (hicache._core): {where}")
     tc = r.get("tree_core")
     if tc is not None:
         lines.append(f"  hicache radix-tree core: {tc['core'] or 'none'} ({tc['reason']})")

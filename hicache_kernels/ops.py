@@ -43,7 +43,7 @@ same objects costs O(1) checks (each tensor's ``data_ptr``, shape, strides and d
 lists, every layer's identity) plus its index checks, whatever the number of layers. A caller moving
 data between the same pools many times can also bind them explicitly:
 :class:`~hicache_kernels.binding.KVBinding` (also ``hicache_kernels.KVBinding``), whose
-``layer_loads`` prepares a layer-wise load once per batch.
+``batch_plan`` prepares a batch once and ``layer_plan`` gives each layer's part of it.
 
 Custom ops (``torch.compile``) live in :mod:`hicache_kernels._custom_ops`, argument checks in
 :mod:`hicache_kernels._validate`; this module is the public API.

@@ -6,7 +6,7 @@
 #
 # Knobs (environment):
 #   HICACHE_CUDA_ARCHS   archs to compile, e.g. "90" or "80;90;100;120" (default: see README)
-#   HICACHE_SKIP_CUDA=1  skip the CUDA extension (pure-Python install)
+#   HICACHE_SKIP_CUDA=1  skip the CUDA extension (the cache layer's host core is still built)
 #   HICACHE_TORCH_SPEC   pip requirement for torch when .venv has none (default "torch")
 #   HICACHE_TRITON_SPEC  pip requirement for triton when .venv has none (default "triton")
 #   HICACHE_VENV         where the environment goes (default .venv); PYTHON: interpreter to create it

@@ -117,7 +117,8 @@ def wrap_copies(monkeypatch, kind: str, around) -> None:
     ``call.device_indices``)."""
     from types import SimpleNamespace
 
-    from hicache_kernels.binding import KVBinding, LayerLoads
+    from hicache.layer_loads import LayerLoads
+    from hicache_kernels.binding import KVBinding
 
     if kind == "backup":
         real_backup = KVBinding.backup

@@ -45,7 +45,7 @@ def no_ordering_hazards():
 @pytest.fixture(params=["compiled", "python"])
 def each_tree_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test once per radix-tree core (HiRadixCache's default comes from HICACHE_TREE_CORE);
-    the compiled run skips, saying why, when the extension lacks the core."""
+    the compiled run skips, saying why, when the host core hicache._core is not built."""
     if request.param == "compiled":
         from hicache.tree_core import compiled_core_status
 

@@ -15,8 +15,17 @@ import pytest
 import torch
 
 import hicache_kernels
-from hicache_kernels import BackendUnavailableError, _ext, backends, direct, launch, ops
-from hicache_kernels.backends import AutoBackend, BatchBackend, DirectBackend, KernelBackend, get_backend
+from hicache_kernels import BackendUnavailableError, _ext, launch, ops
+from hicache_kernels.backends import (
+    AutoBackend,
+    BatchBackend,
+    DirectBackend,
+    KernelBackend,
+    base,
+    copy_engine,
+    get_backend,
+)
+from hicache_kernels.backends import kernel as kernel_module
 
 from kvdata import expected_after, make_indices, make_pools
 
@@ -86,12 +95,11 @@ def pretend_cuda(monkeypatch, handle=7, runtime_ok=True, stream=None):
     as runnable unless ``runtime_ok`` is None (then the real check decides). Returns the fake current
     device and the fake tables."""
     stream = FakeStream(handle) if stream is None else stream
-    monkeypatch.setattr(backends, "plan_stream", lambda plan: stream)
-    monkeypatch.setattr(backends, "stream_handle", lambda plan: (handle, stream))
-    monkeypatch.setattr(direct, "plan_stream", lambda plan: stream)
+    monkeypatch.setattr(copy_engine, "plan_stream", lambda plan: stream)
+    monkeypatch.setattr(base, "stream_handle", lambda plan: (handle, stream))
     if runtime_ok is not None:
-        monkeypatch.setattr(backends, "cuda_runtime_status", lambda: (True, "ok"))
-        monkeypatch.setattr(direct, "cuda_runtime_status", lambda: (True, "ok"))
+        monkeypatch.setattr(kernel_module, "cuda_runtime_status", lambda: (True, "ok"))
+        monkeypatch.setattr(copy_engine, "cuda_runtime_status", lambda: (True, "ok"))
         monkeypatch.setattr(launch, "cuda_runtime_status", lambda: (True, "ok"))
     monkeypatch.setattr(launch, "capturing", lambda: False)
     tables = Tables()
@@ -109,21 +117,19 @@ def pretend_gpu(monkeypatch, capability: tuple[int, int], image: tuple[int, int]
     """The device pool's GPU is sm_<capability>, and the driver loads the bulk kernel for it as ``image``
     ((binaryVersion, ptxVersion); default: code built for that GPU, as an extension built for its arch)."""
     arch = 10 * capability[0] + capability[1]
-    monkeypatch.setattr(backends, "_compute_capability", lambda device: capability)
-    monkeypatch.setattr(backends, "_bulk_image", lambda device: image or (arch, arch))
+    monkeypatch.setattr(kernel_module, "_compute_capability", lambda device: capability)
+    monkeypatch.setattr(kernel_module, "_bulk_image", lambda device: image or (arch, arch))
 
 
 def patch_plan_fragments(monkeypatch, fn) -> None:
-    """Replace the fragment planner where the copy-engine backends call it (direct's module and
-    backends', batch and auto's)."""
-    monkeypatch.setattr(backends, "plan_fragments", fn)
-    monkeypatch.setattr(direct, "plan_fragments", fn)
+    """Replace the fragment planner where the copy-engine backends (direct, batch) call it."""
+    monkeypatch.setattr(copy_engine, "plan_fragments", fn)
 
 
 def use_ext(monkeypatch, ext) -> None:
     """Every extension call (launches, host aliases) goes to ``ext``."""
-    monkeypatch.setattr(backends, "load_extension", lambda: ext)
-    monkeypatch.setattr(direct, "load_extension", lambda: ext)
+    monkeypatch.setattr(kernel_module, "load_extension", lambda: ext)
+    monkeypatch.setattr(copy_engine, "load_extension", lambda: ext)
     monkeypatch.setattr(launch, "load_extension", lambda: ext)
 
 
@@ -523,7 +529,7 @@ def counting_on_queued_streams(monkeypatch, launch: QueuedStream) -> tuple[Kerne
     monkeypatch.setattr(torch.cuda, "Event", QueuedEvent)
     counting = KernelBackend(count_skipped=True)
     counter = torch.zeros(1, dtype=torch.int32)  # a CUDA counter, on the CPU
-    counting._skipped[CUDA0] = backends._SkipCounter(counter)
+    counting._skipped[CUDA0] = kernel_module._SkipCounter(counter)
     return counting, counter, current
 
 
@@ -554,7 +560,7 @@ def test_skipped_waits_for_counting_kernels_on_the_copy_streams(monkeypatch):
     assert counter.item() == 0  # the kernel is still queued on its copy stream
     assert counting.skipped() == 3
     counting.run(plan)
-    monkeypatch.setattr(backends, "stream_handle", lambda plan: (8, copy_b))
+    monkeypatch.setattr(base, "stream_handle", lambda plan: (8, copy_b))
     counting.run(plan)
     counting.run(plan)
     assert counting.skipped() == 9  # one launch on copy stream 7, two on 8: all waited for
@@ -595,13 +601,13 @@ def test_launches_run_on_the_device_pools_device(monkeypatch, backend, direction
 def test_a_stream_on_another_device_is_refused():
     plan, _ = plan_for(device=CUDA1)
     wrong = dataclasses.replace(plan, stream=FakeStream(7, CUDA0))
-    for stream_of in (backends.plan_stream, backends.stream_handle):  # copy engines, kernel
+    for stream_of in (base.plan_stream, base.stream_handle):  # copy engines, kernel
         with pytest.raises(
             ValueError, match=r"stream: expected a stream on the device pool's device cuda:1, got one on cuda:0"
         ):
             stream_of(wrong)
     right = dataclasses.replace(plan, stream=FakeStream(7, CUDA1))
-    assert backends.plan_stream(right).cuda_stream == 7 and backends.stream_handle(right) == (7, right.stream)
+    assert base.plan_stream(right).cuda_stream == 7 and base.stream_handle(right) == (7, right.stream)
 
 
 # --------------------------------------------------------------- what an old driver allows (#6)
@@ -710,7 +716,7 @@ def test_prepared_copy_plans_once_and_copies_current_contents(monkeypatch, name)
     then, byte for byte as the reference does."""
     plan, pools = plan_for(page_size=4)
     planned = []
-    real_plan = backends.plan_fragments
+    real_plan = copy_engine.plan_fragments
     patch_plan_fragments(monkeypatch, lambda p: planned.append(p) or real_plan(p))
     copy = get_backend(name).prepare(plan)
     assert len(planned) == 1
@@ -865,9 +871,9 @@ class BulkImage(RecordingExt):
 @pytest.fixture
 def fresh_bulk_image():
     """The per-device answer of ``_bulk_image`` is cached: each test asks afresh, and leaves nothing cached."""
-    backends._bulk_image.cache_clear()
+    kernel_module._bulk_image.cache_clear()
     yield
-    backends._bulk_image.cache_clear()
+    kernel_module._bulk_image.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -877,7 +883,7 @@ def test_bulk_design_asks_the_extension_for_the_loaded_image(monkeypatch, fresh_
     pretend_cuda(monkeypatch)
     ext = BulkImage(image)
     use_ext(monkeypatch, ext)
-    monkeypatch.setattr(backends, "_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(kernel_module, "_compute_capability", lambda device: (9, 0))
     plan, _ = plan_for(layout="page_first_direct", page_size=16, device=CUDA0)
     kernel = KernelBackend(design="bulk")
     kernel.run(plan)

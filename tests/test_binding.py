@@ -1,4 +1,4 @@
-"""Pool bindings (hicache_kernels.binding): KVBinding and its layer-wise loads against the reference,
+"""Pool bindings (hicache_kernels.binding): KVBinding and its per-layer plans against the reference,
 the ops' cache of bindings (found again only for the same, unchanged pools; gone with them), routes
 built once, and compat's route cache following pointer tables rewritten in place.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache_kernels import KVBinding, launch, layouts, ops
-from hicache_kernels.backends import DirectBackend
+from hicache_kernels.backends import get_backend
 from hicache_kernels.binding import bound_pools, cached_bindings
 from hicache_kernels.compat import sgl_kernel as sk
 
@@ -53,59 +53,62 @@ def test_binding_matches_reference(backend, layout, mla, direction):
 
 @pytest.mark.parametrize("backend", ["direct", "triton"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
-def test_layer_loads_write_exactly_the_layers_issued(backend, stacked):
-    pools = make_pools(layout="page_first_direct", mla=False, dtype=torch.float16, page_size=4, direction="h2d",
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_layer_plans_of_a_batch_copy_exactly_their_layer(backend, stacked, direction):
+    """batch_plan once, then one layer's plan at a time: each run copies its layer only."""
+    pools = make_pools(layout="page_first_direct", mla=False, dtype=torch.float16, page_size=4, direction=direction,
                        stacked=stacked, num_layers=4, device_slots=24, host_pages=3)  # fmt: skip
     b = bind(pools)
     d_idx, h_idx = make_indices("pages", 24, 12, 4, count=8, seed=3)
-    loads = b.layer_loads(d_idx, h_idx, backend=backend)
-    assert len(loads) == 4
-    loads(2)
-    loads(np.int64(0))  # numpy integers work like ints
-    partial = expected_after(expected_after(pools, "h2d", d_idx, h_idx, 2), "h2d", d_idx, h_idx, 0)
-    assert pools.equal(partial)  # layers 1 and 3 still poisoned
-    loads(3)
-    loads(1)
-    assert pools.equal(expected_after(pools, "h2d", d_idx, h_idx, None))
+    run = get_backend(backend).run
+    batch = b.batch_plan(direction, d_idx, h_idx, backend=backend)
+    assert (batch.layer_begin, batch.layer_count, batch.direction) == (0, 4, direction)
+    run(b.layer_plan(batch, 2))
+    run(b.layer_plan(batch, np.int64(0)))  # numpy integers work like ints
+    partial = expected_after(expected_after(pools, direction, d_idx, h_idx, 2), direction, d_idx, h_idx, 0)
+    assert pools.equal(partial)  # layers 1 and 3 untouched
+    for layer in (3, 1):
+        one = b.layer_plan(batch, layer)
+        assert (one.layer_begin, one.layer_count) == (layer, 1)
+        assert one.route is b.layer_plan(batch, layer).route  # each layer's route built once
+        run(one)
+    assert pools.equal(expected_after(pools, direction, d_idx, h_idx, None))
     with pytest.raises(ValueError, match=r"layer_id: expected an int in \[0, 4\), got 4"):
-        loads(4)
+        b.layer_plan(batch, 4)
     with pytest.raises(TypeError, match="layer_id"):
-        loads(1.0)
+        b.layer_plan(batch, 1.0)
 
 
-def test_layer_loads_prepare_each_layer_once_and_copy_current_contents():
-    """A layer issued again copies what the host pool holds then, without preparing again."""
-
-    class Counting(DirectBackend):
-        prepared: list[int] = []
-
-        def _prepare(self, plan):
-            self.prepared.append(plan.layer_begin)
-            return super()._prepare(plan)
-
-    pools = make_pools(layout="page_first", mla=True, dtype=torch.float32, page_size=1, direction="h2d")
-    b = bind(pools)
-    d_idx, h_idx = make_indices("random", 96, 48, 1, count=10, seed=4)
-    backend = Counting()
-    loads = b.layer_loads(d_idx, h_idx, backend=backend)
-    for layer in range(3):
-        loads(layer)
-    random_bytes_(pools.host, torch.Generator().manual_seed(5))
-    expected = expected_after(pools, "h2d", d_idx, h_idx, 1)
-    loads(1)
-    assert pools.equal(expected)
-    assert backend.prepared == [0, 1, 2]
-
-
-def test_layer_loads_check_the_indices_once_before_anything_is_written():
+def test_batch_plan_checks_everything_before_anything_is_written():
     pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, direction="h2d")
     before = pools.clone()
     b = bind(pools)
     with pytest.raises(IndexError, match="host_indices: index 48"):
-        b.layer_loads(torch.tensor([0, 1]), torch.tensor([0, 48]), backend="direct")
+        b.batch_plan("h2d", torch.tensor([0, 1]), torch.tensor([0, 48]), backend="direct")
     with pytest.raises(ValueError, match="device_indices: destination slot 3 appears more than once"):
-        b.layer_loads(torch.tensor([3, 3]), torch.tensor([0, 1]), backend="direct")
+        b.batch_plan("h2d", torch.tensor([3, 3]), torch.tensor([0, 1]), backend="direct")
+    with pytest.raises(TypeError, match="backend: expected a backend name"):
+        b.batch_plan("h2d", torch.tensor([0, 1]), torch.tensor([0, 1]), backend=3)
+    with pytest.raises(ValueError, match="direction"):
+        b.batch_plan("x2y", torch.tensor([0, 1]), torch.tensor([0, 1]), backend="direct")
+    # Unchecked on request: the plan is made (nothing is written until a backend runs a part of it).
+    b.batch_plan("h2d", torch.tensor([3, 3]), torch.tensor([0, 1]), backend="direct", check_indices=False)
     assert pools.equal(before)
+
+
+def test_layer_plan_takes_only_a_plan_of_its_binding_over_every_layer():
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, direction="h2d")
+    b, other = bind(pools), bind(pools)
+    d_idx, h_idx = torch.tensor([0, 1]), torch.tensor([2, 3])
+    batch = b.batch_plan("h2d", d_idx, h_idx, backend="direct")
+    with pytest.raises(ValueError, match="plan: expected a plan of this binding's pools over every layer"):
+        other.layer_plan(batch, 0)  # the same tensors, bound again: another binding
+    with pytest.raises(ValueError, match="plan: expected a plan of this binding's pools over every layer"):
+        b.layer_plan(b.layer_plan(batch, 1), 0)  # a one-layer plan
+    with pytest.raises(ValueError, match="plan: expected a plan of this binding's pools over every layer"):
+        b.layer_plan(ops.build_plan("h2d", pools.device_k, pools.device_v, pools.host, d_idx, h_idx,
+                                    layout=pools.layout, page_size=1), 0)  # fmt: skip
+    assert b.layer_plan(b.plan("h2d", d_idx, h_idx), 1).layer_begin == 1  # a plain plan over every layer works
 
 
 @pytest.mark.parametrize(
@@ -394,20 +397,27 @@ def test_compat_layer_id_is_checked(triton_on_cpu):
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["kernel", "direct", "triton"])
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
-def test_gpu_layer_loads_on_a_side_stream(backend, stacked):
-    """CPU indices moved once to where the backend reads them, every layer issued on a busy side
-    stream: each lands as the reference says."""
+def test_gpu_batch_plan_puts_indices_where_the_backend_reads_them_and_fixes_the_stream(backend):
+    """CPU or CUDA indices end where the backend reads them (the copy engines: the host; the kernels:
+    the pool's device), the stream is fixed (given, or current at the call), and the layer plans of
+    the batch, issued on a busy side stream, land as the reference says."""
     pools = make_pools(layout="page_first_direct", mla=False, dtype=torch.bfloat16, page_size=16, direction="h2d",
-                       stacked=stacked, device="cuda", pin=True, num_layers=4, host_pages=4)  # fmt: skip
+                       device="cuda", pin=True, num_layers=4, host_pages=4)  # fmt: skip
     d_idx, h_idx = make_indices("pages", 96, 64, 16, count=32, seed=12)
+    b = bind(pools)
+    want = "cpu" if backend == "direct" else "cuda"
+    for given in ((d_idx, h_idx), (d_idx.cuda(), h_idx.cuda())):
+        current = b.batch_plan("h2d", *given, backend=backend)
+        assert current.stream == torch.cuda.current_stream()
+        assert current.src_indices.device.type == current.dst_indices.device.type == want
     expected = expected_after(pools, "h2d", d_idx, h_idx, None)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(10_000_000)
-    loads = bind(pools).layer_loads(d_idx, h_idx, backend=backend, stream=side)
+    batch = b.batch_plan("h2d", d_idx, h_idx, backend=backend, stream=side)
+    assert batch.stream is side
     for layer in range(4):
-        loads(layer)
+        get_backend(backend).run(b.layer_plan(batch, layer))
     torch.cuda.synchronize()
     assert pools.equal(expected)
 

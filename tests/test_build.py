@@ -1,7 +1,8 @@
 """The build and what it ships.
 
-The archs requested are exactly the archs embedded; without nvcc the package still builds as pure Python;
-the wheel holds every package and module and the license, and is named for what it holds (a local
+The archs requested are exactly the archs embedded; without nvcc the package still builds, without the CUDA
+extension but with the cache layer's host core (``hicache._core``, host compiler only), which serves the
+compiled tree there; the wheel holds every package and module and the license, and is named for what it holds (a local
 version label); the sdist holds everything building needs (headers included) and no tests, and a wheel
 builds from it; a new arch list recompiles only what depends on it.
 
@@ -110,6 +111,32 @@ def extract(wheel: Path, tmp_path: Path) -> tuple[Path | None, dict]:
     return tmp_path / "unzipped" / so, meta
 
 
+def host_cores(wheel: Path) -> list[str]:
+    """The wheel's ``hicache/_core*.so`` (the host core: in every wheel)."""
+    with zipfile.ZipFile(wheel) as zf:
+        return [n for n in zf.namelist() if re.fullmatch(r"hicache/_core\..*\.so", n)]
+
+
+def fresh_venv(wheel: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """``wheel`` installed by pip into a new venv: ``(its python, its site-packages)``. Torch and the other
+    dependencies come from this interpreter's site-packages, added by a .pth file after the install, whose
+    own .pth files, the editable install of this checkout among them, are not run."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([py, "-c", where], capture_output=True, text=True, check=True).stdout.strip())
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (site / "zz_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    return py, site
+
+
 def embedded(so: Path) -> tuple[set[str], set[str]]:
     elf = subprocess.run([cuobjdump(), "--list-elf", str(so)], capture_output=True, text=True).stdout
     ptx = subprocess.run([cuobjdump(), "--list-ptx", str(so)], capture_output=True, text=True).stdout
@@ -203,10 +230,10 @@ def test_unsupported_arch_fails_the_build_loudly(tmp_path: Path) -> None:
 def test_pure_python_build_without_nvcc(tmp_path: Path, env: dict[str, str | None], reason: str) -> None:
     wheel, log = build_wheel(tmp_path, env)
     so, meta = extract(wheel, tmp_path)
-    assert so is None
+    assert so is None and len(host_cores(wheel)) == 1  # no CUDA extension; the host core, built all the same
     assert version_of(wheel) == f"{VERSION}+cpu"
     assert meta == {"version": f"{VERSION}+cpu", "cuda_built": False, "skip_reason": reason}
-    assert "building WITHOUT the CUDA extension" in log
+    assert "building WITHOUT the CUDA extension" in log and "building the host core hicache._core" in log
     # Installed from that wheel, the package imports, reports why, and the kernel path raises clearly.
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
@@ -220,6 +247,65 @@ def test_pure_python_build_without_nvcc(tmp_path: Path, env: dict[str, str | Non
     proc = run_from(site, code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [reason, f"raised: the CUDA extension was not built: {reason}"]
+
+
+# Run by the fresh venv's python from outside the source tree: a cache's default tree core, then the
+# serving benchmark's quick run (the engine over the hierarchical cache) with every cache on the compiled
+# core (HICACHE_TREE_CORE=compiled: a cache that cannot have it raises).
+SERVE_QUICK = """
+import json, os, sys
+import torch
+import hicache, hicache._core, hicache_kernels
+from hicache import DeviceKVPool, HiRadixCache, HostKVPool
+from hicache.bench_serving import main
+from hicache_kernels._ext import extension_status
+
+dev = DeviceKVPool(num_slots=64, num_layers=1, head_num=1, head_dim=2, dtype=torch.float32, device="cpu")
+with HiRadixCache(dev, HostKVPool(dev, layout="page_first", ratio=2.0), io_backend="direct", threaded=False) as c:
+    core = [c.tree_core, c.tree_core_reason]
+os.environ["HICACHE_TREE_CORE"] = "compiled"
+rc = main(["--quick", "--modes", "hierarchical", "--json", "serving.json"])
+(res,) = json.load(open("serving.json"))["results"]
+files = [m.__file__ for m in (hicache, hicache._core, hicache_kernels)]
+out = {"core": core, "rc": rc, "files": files, "cuda": extension_status(), "result": res}
+open("out.json", "w").write(json.dumps(out))
+"""
+
+
+def test_skip_cuda_wheel_serves_the_compiled_tree_core(tmp_path: Path) -> None:
+    """HICACHE_SKIP_CUDA=1: the wheel has the host core and no CUDA extension; installed into a fresh venv
+    the cache takes the compiled tree core there, and the engine serves the quick workload on it."""
+    wheel, _ = build_wheel(tmp_path, {"HICACHE_SKIP_CUDA": "1"})
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    assert not [n for n in names if re.fullmatch(r"hicache_kernels/_C\..*\.so", n)], names
+    (core,) = host_cores(wheel)
+    assert "-linux_" in wheel.name  # a platform wheel: it holds a compiled module
+    py, site = fresh_venv(wheel, tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "HICACHE_TREE_CORE"}  # the default: auto
+    proc = subprocess.run([py, "-c", SERVE_QUICK], capture_output=True, text=True, cwd=work, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = json.loads((work / "out.json").read_text())
+    assert out["core"] == ["compiled", "hicache._core.RadixTree (HICACHE_TREE_CORE=auto)"]
+    assert [Path(f).relative_to(site).as_posix() for f in out["files"]] == [
+        "hicache/__init__.py",
+        core,
+        "hicache_kernels/__init__.py",
+    ]
+    assert out["cuda"] == [False, "the CUDA extension was not built: HICACHE_SKIP_CUDA is set"]
+    res = out["result"]
+    assert out["rc"] == 0 and res["mode"] == "hierarchical" and res["requests"] > 0
+    assert res["device_hit_tokens"] > 0 and res["host_hit_tokens"] > 0  # both tiers served prefixes
+
+
+def test_missing_host_compiler_fails_the_core_build_loudly(tmp_path: Path) -> None:
+    src = copy_sources(tmp_path / "src")
+    proc = pip_wheel(src, tmp_path / "d", {"HICACHE_SKIP_CUDA": "1", "CXX": "/nonexistent/c++"})
+    assert proc.returncode != 0
+    assert "no host C++ compiler: CXX='/nonexistent/c++' was not found" in proc.stdout + proc.stderr
+    assert "host core hicache._core" in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(("label", "version"), [("", VERSION), ("site.h200", f"{VERSION}+site.h200")])
@@ -248,7 +334,7 @@ def test_wheel_holds_every_module_and_the_license(sm90: SimpleNamespace) -> None
         assert zf.read(licenses[0]) == (ROOT / "LICENSE").read_bytes()
     missing = source_modules() - names
     assert not missing, f"not in the wheel: {sorted(missing)}"
-    assert "hicache_kernels/compat/sgl_kernel.py" in names
+    assert "hicache_kernels/compat/sgl_kernel.py" in names and len(host_cores(sm90.wheel)) == 1
     assert not [n for n in names if n.startswith("tests/")]
     assert re.search(r"^License(-Expression)?: Apache-2\.0$", metadata, re.MULTILINE), metadata
     assert (
@@ -272,22 +358,10 @@ PUBLIC_MODULES = [
 
 
 def test_every_public_module_imports_from_a_fresh_venv(sm90: SimpleNamespace, tmp_path: Path) -> None:
-    """The wheel installed by pip into a new venv: every public module imports from there (torch and
-    the other dependencies come from this interpreter's site-packages, added by a .pth file after the
-    install, whose own .pth files, the editable install of this checkout among them, are not run)."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(sm90.wheel)],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = Path(subprocess.run([py, "-c", where], capture_output=True, text=True, check=True).stdout.strip())
-    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    (site / "zz_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    """The wheel installed by pip into a new venv (:func:`fresh_venv`): every public module imports from
+    there."""
+    py, site = fresh_venv(sm90.wheel, tmp_path)
+    venv = py.parent.parent
     code = (
         "import importlib, json, sys\n"
         "files = {m: importlib.import_module(m).__file__ for m in sys.argv[1:]}\n"
@@ -314,12 +388,13 @@ def test_every_public_module_imports_from_a_fresh_venv(sm90: SimpleNamespace, tm
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sdist of a copy of the sources that also holds what a working tree has and an sdist must not:
-    tests, a build record, a compiled extension. Built with an arch list set, which it must not carry."""
+    tests, a build record, compiled extensions. Built with an arch list set, which it must not carry."""
     tmp = tmp_path_factory.mktemp("sdist")
     src = copy_sources(tmp / "src")
     shutil.copytree(ROOT / "tests", src / "tests", ignore=BUILD_OUTPUTS)
     (src / "hicache_kernels" / "_build_meta.json").write_text('{"cuda_built": true}\n')
     (src / "hicache_kernels" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    (src / "python" / "hicache" / "_core.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
     code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, str(tmp / "dist")],
@@ -337,10 +412,10 @@ def test_sdist_holds_what_building_needs_and_no_tests(sdist: Path) -> None:
     top = f"hicache_kernels-{VERSION}/"
     with tarfile.open(sdist) as tf:
         names = {m.name.removeprefix(top) for m in tf.getmembers() if m.isfile()}
-    needed = {str(p.relative_to(ROOT)) for p in (ROOT / "csrc").iterdir() if p.is_file()}
+    needed = {str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.is_file()}
     needed |= {"setup.py", "pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"}
     needed |= {n if n.startswith("hicache_kernels/") else f"python/{n}" for n in source_modules()}
-    assert {"csrc/copy_engine.h", "csrc/common.cuh", "csrc/transfer.cuh"} <= needed
+    assert {"csrc/copy_engine.h", "csrc/common.cuh", "csrc/transfer.cuh", "csrc/host/radix_tree.h"} <= needed
     missing = needed - names
     assert not missing, f"not in the sdist: {sorted(missing)}"
     unwanted = sorted(n for n in names if n.startswith("tests/") or n.endswith((".so", "_build_meta.json")))
@@ -364,11 +439,15 @@ def test_wheel_builds_from_the_sdist(sdist: Path, tmp_path: Path) -> None:
 @needs_nvcc
 def test_new_arch_list_recompiles_only_arch_dependent_units(sm90: SimpleNamespace, tmp_path: Path) -> None:
     """The pybind11 bindings (the slowest unit) and other host-only C++ do not depend on the arch list:
-    building the same tree again for another arch leaves their objects as they were."""
+    building the same tree again for another arch leaves their objects, and the host core's, as they were."""
     (build_dir,) = (sm90.src / "build").glob("temp.*/hicache_C")
+    (core_dir,) = (sm90.src / "build").glob("temp.*/hicache_core")
     before = {o.name: o.stat().st_mtime_ns for o in build_dir.glob("*.o")}
+    core_before = {o.name: o.stat().st_mtime_ns for o in core_dir.glob("*.o")}
     assert {"bindings.cpp.o", "errors.cpp.o", "transfer.cu.o"} <= set(before), before
+    assert set(core_before) == {"bindings.cpp.o", "radix_tree.cpp.o"}, core_before
     wheel, _ = build_wheel(tmp_path, {"HICACHE_CUDA_ARCHS": "80", "CUDA_HOME": str(CUDA_HOME)}, src=sm90.src)
+    assert {o.name: o.stat().st_mtime_ns for o in core_dir.glob("*.o")} == core_before
     after = {o.name: o.stat().st_mtime_ns for o in build_dir.glob("*.o")}
     rebuilt = {name for name in before if after[name] != before[name]}
     assert not rebuilt & {"bindings.cpp.o", "errors.cpp.o"}, f"recompiled for a new arch list: {sorted(rebuilt)}"

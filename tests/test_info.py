@@ -35,7 +35,7 @@ def test_info_json_schema() -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert set(report) >= {"package", "build", "torch", "triton", "cuda", "gpus", "notes", "io_backends"}
-    assert "tree_core" not in report  # the cache layer's: python -m hicache.info
+    assert not {"tree_core", "host_core"} & set(report)  # the cache layer's: python -m hicache.info
     import hicache_kernels
 
     assert report["package"]["version"] == hicache_kernels.__version__
@@ -294,6 +294,7 @@ def test_the_cache_layers_info_names_the_tree_core_and_a_bad_setting(monkeypatch
     out = capsys.readouterr().out
     assert out.startswith("hicache-kernels ") and "io-backends:" in out  # the kernel package's report, too
     assert "hicache radix-tree core: python (asked for (HICACHE_TREE_CORE=python))" in out
+    assert "hicache host core (hicache._core): built (" in out
     monkeypatch.setenv("HICACHE_TREE_CORE", "quick")
     assert cache_info.main([]) == 0
     assert "hicache radix-tree core: none (ValueError: HICACHE_TREE_CORE: expected one of" in capsys.readouterr().out
@@ -301,5 +302,6 @@ def test_the_cache_layers_info_names_the_tree_core_and_a_bad_setting(monkeypatch
     proc = subprocess.run([sys.executable, "-m", "hicache.info", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["tree_core"]["core"] in ("compiled", "python") and report["tree_core"]["reason"]
+    assert report["tree_core"] == {"core": "compiled", "reason": "hicache._core.RadixTree (HICACHE_TREE_CORE=auto)"}
+    assert report["host_core"]["built"] is True and report["host_core"]["file"].endswith(".so")
     assert {"build", "io_backends"} <= set(report)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_kernels import BackendUnavailableError, layouts, ops, staged
+from hicache_kernels import BackendUnavailableError, layouts, ops
 from hicache_kernels._names import IO_BACKENDS
-from hicache_kernels.backends import get_backend
-from hicache_kernels.staged import StagedBackend
+from hicache_kernels.backends import get_backend, staged
+from hicache_kernels.backends.staged import StagedBackend
 
 from kvdata import expected_after, make_indices, make_pools
 

@@ -134,10 +134,10 @@ def obj(tmp_path, key):
 def test_faulty_object_is_a_miss_and_removed(tmp_path, fault, read_path, monkeypatch):
     from hicache.storage import checksum as ck
 
-    if read_path == "python":  # the chunked Python read (pure-Python builds, pages of odd-sized ranges)
+    if read_path == "python":  # the chunked Python read (no hicache._core, pages of odd-sized ranges)
         monkeypatch.setattr(ck, "pread_checksum", None)
     elif ck.pread_checksum is None:
-        pytest.skip("the extension is not built")
+        pytest.skip("hicache._core is not built")
     host = host_pool(seed=4)
     src, dst = host.alloc(2 * PAGE), host.alloc(2 * PAGE)
     keys = keys_for(2)

@@ -85,13 +85,13 @@ class AgreeRecorder:
 
     def __init__(self, controller) -> None:
         self.inner = controller.agree_min
-        self.inner_acks = controller._agree_landed
+        self.inner_acks = controller.completions._agree_landed
         self.inner_all = controller.agree_all
         self.controller = controller
         self.inputs: list = []
         self.outputs: list = []
         controller.agree_min = self
-        controller._agree_landed = self.acks
+        controller.completions._agree_landed = self.acks
         controller.agree_all = self.all
 
     def __call__(self, value: int) -> int:
@@ -101,7 +101,7 @@ class AgreeRecorder:
         return out
 
     def acks(self, kinds, counts):
-        c = self.controller
+        c = self.controller.completions
         seens = {kind: c._landed(kind, q) for kind, q in c._ack_queues(kinds)}
         self.inputs.append((*(c._count_landed(seens[k]) for k in kinds), *counts.values()))
         out, agreed = self.inner_acks(kinds, counts)

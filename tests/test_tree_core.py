@@ -155,12 +155,12 @@ def test_choose_core(monkeypatch):
 def test_compiled_core_unavailable_says_why(monkeypatch):
     import hicache.tree_core as tc
 
-    monkeypatch.setattr(tc, "compiled_core_status", lambda: (False, "the CUDA extension was not built: test"))
-    with pytest.raises(RuntimeError, match="tree_core: the compiled tree core cannot be used: the CUDA extension"):
+    monkeypatch.setattr(tc, "compiled_core_status", lambda: (False, "hicache._core is not built: test"))
+    with pytest.raises(RuntimeError, match="tree_core: the compiled tree core cannot be used: hicache._core is not"):
         small_cache(tree_core="compiled")
     c = small_cache(tree_core="auto")
     assert c.tree_core == "python"
-    assert c.tree_core_reason == "the compiled core cannot be used: the CUDA extension was not built: test"
+    assert c.tree_core_reason == "the compiled core cannot be used: hicache._core is not built: test"
     c.match_prefix([1, 2, 3])
     c.close()
 

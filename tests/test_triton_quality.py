@@ -11,7 +11,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from hicache_kernels import triton_transfer as tt  # noqa: E402
+from hicache_kernels.backends import triton as tt  # noqa: E402
 
 try:  # the ahead-of-time API these tests use (Triton 3.8 spelling)
     from triton.backends.compiler import GPUTarget

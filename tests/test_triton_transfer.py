@@ -1,4 +1,4 @@
-"""Triton backend (hicache_kernels.triton_transfer) against the pure-torch reference.
+"""Triton backend (hicache_kernels.backends.triton) against the pure-torch reference.
 
 CPU tests run the kernel under Triton's interpreter (conftest sets TRITON_INTERPRET=1), so pools and
 grids are small. Data is random bytes (never zeros) and every destination starts as a poison pattern,
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hicache_kernels import BackendUnavailableError, launch, layouts, ops
-from hicache_kernels import triton_transfer as tt
+from hicache_kernels.backends import triton as tt
 from hicache_kernels.reference import reference_transfer
 
 POISON = 0xA5

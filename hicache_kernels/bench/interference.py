@@ -12,7 +12,6 @@ import torch
 
 from .. import benchutil
 from .config import (
-    DTYPES,
     INTERFERENCE_GEMM_N,
     OVERLAP_GEMM_NS,
     UNBUDGETED_BACKENDS,
@@ -81,26 +80,27 @@ def interference(args: argparse.Namespace, model: ModelConfig, backends: list[st
 
 def overlap(args: argparse.Namespace, model: ModelConfig, backend: str, repeats: int) -> dict[str, Any]:
     """Simulated forward: one matmul per layer sized to take about 1.25x a layer's load; compares
-    compute alone, load-all-then-compute, and layer-wise load waited on per layer."""
-    from hicache import DeviceKVPool, HiCacheController, HostKVPool
+    compute alone, load-all-then-compute, and layer-wise load waited on per layer.
 
-    from .. import ops
+    The layer-wise load does what the cache controller does, on this package's primitives only: the
+    batch is prepared once (:meth:`~hicache_kernels.binding.KVBinding.batch_plan`), each layer's load
+    goes to a side stream followed by that layer's event, and the forward's matmul of a layer waits
+    for the layer's event (on the GPU, without blocking the host) while later layers still load."""
+    from ..backends import get_backend
+    from ..binding import KVBinding
 
     page = 16
     tokens = max(page, args.tokens - args.tokens % page)
-    dev = DeviceKVPool(num_slots=2 * tokens, num_layers=model.num_layers, head_num=model.head_num,
-                       head_dim=model.head_dim, dtype=DTYPES[model.dtype], device="cuda", page_size=page,
-                       mla=model.mla)  # fmt: skip
-    host = HostKVPool(dev, layout="page_first_direct", ratio=2.0, pin_memory=True)
-    ctrl = HiCacheController(dev, host, io_backend=backend, threaded=True)
-    d_idx, h_idx = dev.alloc(tokens), host.alloc(tokens)
-    host.mark_writing(h_idx)
-    host.mark_synced(h_idx)
+    # The first `tokens` slots of each side, as freshly allocated pools hand them out.
+    work = Workload(model, tokens, torch.device("cuda"), pin=True, headroom=2, page_sizes=(page,))
+    pools = KVBinding(work.dev_k, work.dev_v, work.host("page_first_direct", page), layout="page_first_direct",
+                      page_size=page)  # fmt: skip
+    copy = get_backend(backend)
+    d_idx, h_idx = torch.arange(tokens), torch.arange(tokens)
     timer = benchutil.CudaEventTimer()
 
     def load_layer0() -> None:
-        ops.load_layer(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layer_id=0, layout=host.layout,
-                       page_size=page, backend=backend)  # fmt: skip
+        pools.load(d_idx, h_idx, layer_id=0, backend=copy)
 
     layer_ms = benchutil.measure(load_layer0, timer=timer, repeats=repeats).median_ms
     for n in OVERLAP_GEMM_NS:  # the first GEMM at least 1.25x a layer's load
@@ -120,33 +120,29 @@ def overlap(args: argparse.Namespace, model: ModelConfig, backend: str, repeats:
         return (time.perf_counter() - t0) * 1e3
 
     def load_then_compute() -> None:
-        ops.load_all_layers(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layout=host.layout,
-                            page_size=page, backend=backend)  # fmt: skip
+        pools.load(d_idx, h_idx, backend=copy)
         forward()
 
+    side = torch.cuda.Stream()
+    layer_done = [torch.cuda.Event() for _ in range(model.num_layers)]  # made once, re-recorded per batch
+
     def overlapped() -> None:
-        ctrl.load(h_idx, d_idx, node_id=1)
-        ctrl.start_loading()
-        for layer in range(model.num_layers):
-            ctrl.layer_counter.wait_until(layer)
+        compute = torch.cuda.current_stream()
+        side.wait_stream(compute)  # the loads overwrite slots the compute stream's earlier work used
+        batch = pools.batch_plan("h2d", d_idx, h_idx, backend=copy, stream=side)  # indices checked, moved once
+        for layer, done in enumerate(layer_done):
+            copy.run(pools.layer_plan(batch, layer))
+            done.record(side)
+            compute.wait_event(done)  # this layer's matmul only; later layers keep loading meanwhile
             torch.mm(x, x)
-        torch.cuda.synchronize()
-        ctrl.flush()
-        for _node, error in ctrl.finished_loads():  # (node id, error or None) per acknowledged load
-            if error is not None:
-                raise RuntimeError(f"overlap: the layer-wise load failed: {error!r}")
-        host.mark_synced(h_idx)
 
     results = {}
     for name, fn in (("compute_ms", forward), ("load_then_compute_ms", load_then_compute),
                      ("overlapped_ms", overlapped)):  # fmt: skip
         fn()
         results[name] = benchutil.summarize([wall(fn) for _ in range(repeats)]).median_ms
-    ctrl.close()
-    load_all = benchutil.measure(
-        lambda: ops.load_all_layers(dev.device_k, dev.device_v, host.buffer, d_idx, h_idx, layout=host.layout,
-                                    page_size=page, backend=backend), timer=timer, repeats=repeats,
-    ).median_ms  # fmt: skip
+    load_all = benchutil.measure(lambda: pools.load(d_idx, h_idx, backend=copy), timer=timer,
+                                 repeats=repeats).median_ms  # fmt: skip
     return {
         "kind": "overlap", "model": model.name, "backend": backend, "tokens": tokens, "gemm_n": n,
         "layer_load_ms": layer_ms, "load_all_ms": load_all, **results,

@@ -6,7 +6,7 @@ slots the insert reports as duplicated. No KV is copied: the pools are CPU pools
 head of one element, large enough that nothing is evicted, the controller runs inline
 (``threaded=False``) and the write policy is ``write_back`` (a backup only on eviction, which never
 happens), so the figure is the tree plus the slot allocator. Both tree cores run by default (the
-compiled one, which ``HiRadixCache`` picks when the extension is built, and the Python reference).
+compiled one, which ``HiRadixCache`` picks when ``hicache._core`` is built, and the Python reference).
 
 When ``sglang.srt.mem_cache.radix_cache`` imports (SGLang's pure-Python ``RadixCache``), the same
 requests run through it in the same process and the ratio is reported. Its slots come from a counter

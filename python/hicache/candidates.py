@@ -10,7 +10,7 @@ entry popped whose stored key is current is the least valuable candidate, as a f
 A node is in the heap at most once (``_queued``), so the heap holds at most one entry per node.
 
 With the compiled tree core and a built-in policy, :class:`CompiledCandidates` keeps the same heap in
-the core (``hicache_kernels._C.CandidateHeap``: the keys come from the core's counters, no Python per
+the core (``hicache._core.CandidateHeap``: the keys come from the core's counters, no Python per
 entry); a custom policy keeps the Python heap, which calls its ``key``.
 
 A custom policy object without ``monotonic = True`` cannot be ordered this way: the cache then
@@ -22,6 +22,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from .native import load_core
 
 
 class Candidates:
@@ -105,10 +107,8 @@ class CompiledCandidates:
     """
 
     def __init__(self, tree: Any, code: tuple[int, int], is_candidate: Callable[[Any], bool]) -> None:
-        from hicache_kernels._ext import load_extension  # noqa: PLC0415
-
         self._tree = tree
-        self._heap = load_extension().CandidateHeap(tree.core, *code)
+        self._heap = load_core().CandidateHeap(tree.core, *code)
         self._push = self._heap.push
         self._is_candidate = is_candidate
 

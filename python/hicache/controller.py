@@ -7,12 +7,14 @@ completions back to the tree.
   of the pools' current stream (the KV it reads was produced there), and a copy is *done* when an
   event recorded after it completes, never when its launch returns. An issued copy is acknowledged
   on an ack queue with that event; the tree takes the acks whose events completed when it polls
-  (:meth:`HiCacheController.finished_writes` / ``finished_loads``), so all tree mutations stay on the
-  scheduler's thread. :class:`~hicache.deferred.DeferredDevice` runs all of this on CPU pools with
-  copies that complete later than they are issued.
-- Loads run layer by layer and record a layer event each on the :class:`LayerDoneCounter`, so a
-  forward pass can start layer ``k`` as soon as its KV has arrived while later layers are still
-  loading. Each load batch keeps its per-layer events until it has landed.
+  (:meth:`HiCacheController.finished_writes` / ``finished_loads``; that side, TP agreement included,
+  is :mod:`hicache.copy_completions`), so all tree mutations stay on the scheduler's thread.
+  :class:`~hicache.deferred.DeferredDevice` runs all of this on CPU pools with copies that complete
+  later than they are issued.
+- Loads run layer by layer (:class:`~hicache.layer_loads.LayerLoads`) and record a layer event each
+  on the :class:`LayerDoneCounter`, so a forward pass can start layer ``k`` as soon as its KV has
+  arrived while later layers are still loading. Each load batch keeps its per-layer events until it
+  has landed.
 - A copy that fails (or is dropped by ``close(drain=False)``) is acknowledged like any other, with
   its error, and taken only once what it had issued before failing has landed: the tree rolls its
   nodes back when it processes the ack (freeing slots no copy touches any more) and raises
@@ -23,7 +25,8 @@ completions back to the tree.
 - Tensor parallelism: every rank runs the same tree logic; what differs between ranks is timing
   (how many copies have landed). Whenever a decision depends on timing, ranks agree by an
   all-reduce (MIN) over the given process group (gloo: the values are CPU tensors): always issued,
-  whatever the local value, because a collective skipped on one rank hangs the others.
+  whatever the local value, because a collective skipped on one rank hangs the others
+  (:meth:`HiCacheController.agree_min`, ``agree_all``, and the agreement on landed copies).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +45,11 @@ from hicache_kernels._names import IO_BACKENDS
 from hicache_kernels.backends import IOBackend, get_backend
 from hicache_kernels.binding import KVBinding
 
+from .copy_completions import CopyAck, CopyCompletions, check_tp_group
 from .copy_errors import CopyDropped, CopyError, CopyFailedOnPeer  # noqa: F401 - CopyError re-exported here
 from .deferred import DeferredDevice, env_seed
 from .layer_counter import LayerDoneCounter
+from .layer_loads import LayerLoads
 from .metrics import CacheMetrics
 from .pools import DeviceKVPool, HostKVPool
 from .streams import CudaDevice, EagerDevice, KVRegion
@@ -60,20 +65,6 @@ class _Op:
     node_ids: list[int]
     ready: Any = None  # event the copy must wait for (data produced on the pools' current stream)
     generation: int = 0  # the LayerDoneCounter batch of a load
-
-
-@dataclass
-class _Ack:
-    """A copy issued (or dropped): its nodes, its error (None: completed), and the event recorded after
-    everything it issued on its stream; it is taken by the tree only once ``done`` says so."""
-
-    kind: str
-    node_ids: list[int]
-    error: BaseException | None
-    done: Any = None  # None: nothing was issued (dropped unrun)
-    start: Any = None  # event before its first launch (for the copy time)
-    tokens: int = 0
-    generation: int = 0
 
 
 _STOP = object()
@@ -104,22 +95,6 @@ def _worker_loop(q: queue.Queue, controller_ref: weakref.ref) -> None:
                 return
         finally:
             q.task_done()
-
-
-def _check_tp_group(tp_group: Any) -> None:
-    """The agreement collectives reduce CPU tensors: the group must have a gloo backend."""
-    if tp_group is None:
-        return
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("tp_group: torch.distributed is not initialized; pass None without tensor parallelism")
-    backend = str(dist.get_backend(tp_group)).lower()
-    if "gloo" not in backend:
-        raise ValueError(
-            f"tp_group: the cache's agreement collectives reduce CPU tensors and need a gloo group, got a "
-            f"{backend!r} group; pass a CPU (gloo) group over the same ranks (SGLang passes its tp_cpu_group), "
-            "e.g. torch.distributed.new_group(ranks, backend='gloo')"
-        )
 
 
 def _choose_device(device: torch.device, device_model: Any) -> Any:
@@ -191,7 +166,7 @@ class HiCacheController:
                 f"io_backend: {backend_name!r} needs the device pool on a CUDA GPU (got {device_pool.device}); "
                 "use 'direct' (or 'triton' under TRITON_INTERPRET=1) with CPU pools"
             )
-        _check_tp_group(tp_group)
+        check_tp_group(tp_group)
         self.device = _choose_device(torch.device(device_pool.device), device_model)
         self.device_pool = device_pool
         self.host_pool = host_pool
@@ -210,16 +185,16 @@ class HiCacheController:
         self.metrics = CacheMetrics(host_pinned_bytes=int(getattr(host_pool, "pinned_bytes", 0)))
         events = self.device if self.device.has_events else None
         self.layer_counter = LayerDoneCounter(device_pool.num_layers, events=events)
-        # Issued copies in issue order, per kind; taken by finished_* once their done events complete.
-        # (deques: appended by the issuing thread, a worker or the caller's; emptied by the caller's)
-        self.ack_write_queue: deque[_Ack] = deque()
-        self.ack_load_queue: deque[_Ack] = deque()
-        self._acks_seen: dict[str, list[_Ack]] = {"write": [], "load": []}  # pulled off a queue, not yet taken
+        # The acks of issued copies and their agreement over the TP ranks.
+        self.completions = CopyCompletions(tp_group, self.layer_counter, self.device, device_pool.bytes_per_slot,
+                                           self.metrics)  # fmt: skip
+        self.ack_write_queue = self.completions.write_acks  # the issuing side appends here
+        self.ack_load_queue = self.completions.load_acks
         self._write_queue: queue.Queue[Any] = queue.Queue()
         self._load_queue: queue.Queue[Any] = queue.Queue()
         self._pending_loads: list[_Op] = []
         # Copies submitted whose ack the tree has not taken yet, per kind: node id -> count.
-        self._outstanding: dict[str, Counter[int]] = {"write": Counter(), "load": Counter()}
+        self._outstanding = self.completions.outstanding
         self._closed = False
         self._write_stream = self.device.new_stream("write")
         self._load_stream = self.device.new_stream("load")
@@ -247,25 +222,30 @@ class HiCacheController:
             raise ValueError(f"kind: expected 'write' or 'load', got {kind!r}")
         return Counter(self._outstanding[kind])
 
-    # ------------------------------------------------------------------ agreement across TP ranks
+    # ------------------------------------------------------------------ acks and agreements (CopyCompletions)
     def agree_min(self, value: int) -> int:
-        """The minimum of ``value`` over the TP group (``value`` itself without one). Always issues
-        the collective when a group is set, whatever ``value`` is."""
-        return self._min_over_group([value])[0]
+        """The minimum of ``value`` over the TP group (``value`` itself without one); always issues the
+        collective when a group is set, whatever ``value`` is."""
+        return self.completions.agree_min(value)
 
     def agree_all(self, values: list[int]) -> list[int]:
         """The minimum over the TP group of each of ``values`` (every rank passes as many), in ONE
         collective; ``values`` themselves without a group."""
-        return self._min_over_group(values) if values else []
+        return self.completions.agree_all(values)
 
-    def _min_over_group(self, values: list[int]) -> list[int]:
-        """Every agreement's one collective: the element-wise MIN of ``values`` over the TP group (the
-        values themselves without one)."""
-        if self.tp_group is None:
-            return [int(v) for v in values]
-        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
-        return t.tolist()
+    def finished(self, kinds: tuple[str, ...] = ("write", "load"), counts: dict[str, int] | None = None) -> dict:
+        """The copies of ``kinds`` that landed on every rank, agreed in ONE collective
+        (:meth:`CopyCompletions.finished <hicache.copy_completions.CopyCompletions.finished>`)."""
+        return self.completions.finished(kinds, counts)
+
+    def finished_writes(self) -> list[tuple[int, BaseException | None]]:
+        """Backups finished on every rank, in submission order (``(node_id, error or None)``); their host
+        slots are still WRITING: the caller marks them synced, or aborts them."""
+        return self.completions.finished(("write",))["write"]
+
+    def finished_loads(self) -> list[tuple[int, BaseException | None]]:
+        """Load-backs finished on every rank, in submission order, as :meth:`finished_writes`."""
+        return self.completions.finished(("load",))["load"]
 
     # ------------------------------------------------------------------ submitting copies
     def _check_open(self) -> None:
@@ -352,7 +332,7 @@ class HiCacheController:
             [i for p in pending for i in p.node_ids],
             self._ready_event(),
         )
-        self._release_landed_loads()
+        self.completions.release_landed_loads()
         op.generation = self.layer_counter.start()  # may time out: then the loads stay pending
         self._pending_loads = []
         self._submit(self._load_queue, op)
@@ -373,7 +353,7 @@ class HiCacheController:
         consumers fail fast."""
         acks = self.ack_write_queue if op.kind == "write" else self.ack_load_queue
         stream = self._write_stream if op.kind == "write" else self._load_stream
-        ack = _Ack(op.kind, op.node_ids, None, tokens=len(op.device_indices), generation=op.generation)
+        ack = CopyAck(op.kind, op.node_ids, None, tokens=len(op.device_indices), generation=op.generation)
         try:
             with torch.cuda.device(self.device_pool.device) if self.on_gpu else contextlib.nullcontext():
                 ack.start = self.device.new_event(timing=True)  # worker threads start on device 0
@@ -410,7 +390,7 @@ class HiCacheController:
         if self.layer_wise:
             # Indices checked and moved once per batch; each layer is one prepared launch.
             backend_stream = stream if self.on_gpu else None
-            loads = self.binding.layer_loads(d_idx, h_idx, backend=self.backend, stream=backend_stream)
+            loads = LayerLoads(self.binding, d_idx, h_idx, backend=self.backend, stream=backend_stream)
             for layer in range(dp.num_layers):
                 self._launch(stream, lambda s, layer=layer: loads(layer), op, (hp, h_idx), (dp, d_idx), layer)
                 self.layer_counter.layer_issued(layer, stream, op.generation)
@@ -432,150 +412,6 @@ class HiCacheController:
         dev.launch(stream, work, reads=[KVRegion(*src, layers)], writes=[KVRegion(*dst, layers)],
                    what=f"{what} of nodes {op.node_ids}")  # fmt: skip
 
-    # ------------------------------------------------------------------ completions
-    def _landed(self, kind: str, q: deque) -> list[_Ack]:
-        """The acks of ``kind`` issued and not yet taken, in issue order (:meth:`_count_landed` says how
-        many lead whose done events completed: a copy's ack is taken only after its work landed)."""
-        seen = self._acks_seen[kind]
-        while q:  # popleft is atomic: an ack appended meanwhile is taken now or at the next check
-            seen.append(q.popleft())
-        return seen
-
-    def _count_landed(self, seen: list[_Ack]) -> int:
-        n = 0
-        for ack in seen:
-            if ack.done is not None:
-                try:
-                    if not ack.done.query():
-                        break
-                except Exception as exc:  # an asynchronous copy error, reported by the stream
-                    ack.error = ack.error or exc
-            n += 1
-        return n
-
-    # At most this many acks of a kind are agreed per check (one fixed-size collective); more wait for
-    # the next check.
-    ACK_WINDOW = 64
-
-    def _agree_landed(
-        self, kinds: tuple[str, ...], counts: dict[str, int]
-    ) -> tuple[dict[str, tuple[int, list[int]]], dict[str, int]]:
-        """Per kind, how many leading acks landed on every rank and, for each, whether it failed on any
-        rank; and the minimum over ranks of each of ``counts``: ONE collective for all of it (a MIN over
-        ``[count, ok flags...]`` per kind, then the counts; a flag is 1 where the copy completed, so the
-        MIN says whether every rank's did)."""
-        seens = {kind: self._landed(kind, q) for kind, q in self._ack_queues(kinds)}
-        local = {kind: self._count_landed(seen) for kind, seen in seens.items()}
-        if self.tp_group is None:
-            acks = {k: (n, [int(a.error is not None) for a in seens[k][:n]]) for k, n in local.items()}
-            return acks, {name: int(c) for name, c in counts.items()}
-        w = self.ACK_WINDOW
-        values: list[int] = []
-        for kind in kinds:
-            n = min(local[kind], w)
-            ok = [int(ack.error is None) for ack in seens[kind][:n]]
-            values += [n, *ok, *[1] * (w - n)]  # 1 (neutral for MIN) beyond the acks this rank has
-        values += [int(c) for c in counts.values()]
-        v = self._min_over_group(values)
-        out = {}
-        for j, kind in enumerate(kinds):
-            base = j * (w + 1)
-            n = v[base]
-            out[kind] = (n, [1 - x for x in v[base + 1 : base + 1 + n]])
-        return out, dict(zip(counts, v[len(kinds) * (w + 1) :], strict=True))
-
-    def _ack_queues(self, kinds: tuple[str, ...]) -> list[tuple[str, deque]]:
-        for kind in kinds:
-            if kind not in ("write", "load"):
-                raise ValueError(f"kinds: expected 'write' and/or 'load', got {kind!r}")
-        return [(k, self.ack_write_queue if k == "write" else self.ack_load_queue) for k in kinds]
-
-    def finished(
-        self, kinds: tuple[str, ...] = ("write", "load"), counts: dict[str, int] | None = None
-    ) -> dict[str, Any]:
-        """The copies of ``kinds`` that landed on every rank, per kind in submission order, agreed in ONE
-        collective (with a TP group, at most :attr:`ACK_WINDOW` per kind and call): ``(node_id, None)`` for a completed
-        copy, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`), or that
-        completed here but failed on another rank (:class:`CopyFailedOnPeer`: every rank rolls it back,
-        so the trees stay alike). Backups' host slots are still WRITING: the caller marks them synced,
-        or aborts them. Works after close too: the owner must still take the acks of drained and dropped
-        copies.
-
-        ``counts``: other per-step numbers to agree in the same collective (e.g. the storage tier's
-        landed backups); their minimum over the ranks comes back under ``"counts"``."""
-        extra = {} if counts is None else counts
-        for name in extra:
-            if name in ("write", "load", "counts"):
-                raise ValueError(f"counts: {name!r} is a kind of copy, not a count name")
-        agreed, agreed_counts = self._agree_landed(kinds, extra)
-        result: dict[str, Any] = {"counts": agreed_counts}
-        for kind in kinds:
-            n, flags = agreed[kind]
-            seen = self._acks_seen[kind]
-            acks = seen[:n]
-            del seen[:n]
-            out: list[tuple[int, BaseException | None]] = []
-            outstanding = self._outstanding[kind]
-            for ack, flag in zip(acks, flags, strict=True):
-                error = ack.error
-                if error is None and flag:
-                    error = CopyFailedOnPeer(f"a {kind} failed on another TP rank; rolled back here too")
-                self._account(ack)
-                for node_id in ack.node_ids:
-                    out.append((node_id, error))
-                    outstanding[node_id] -= 1
-                    if outstanding[node_id] <= 0:
-                        del outstanding[node_id]
-            result[kind] = out
-        return result
-
-    def _account(self, ack: _Ack) -> None:
-        """A landed copy: release its load batch, count its bytes and time."""
-        if ack.kind == "load" and ack.error is None and ack.generation in self.layer_counter.in_flight:
-            self.layer_counter.finish(ack.generation)  # landed: release its events
-        if ack.error is not None or ack.done is None:
-            return
-        elapsed = self.device.elapsed_s(ack.start, ack.done)
-        nbytes = ack.tokens * self.device_pool.bytes_per_slot
-        m = self.metrics
-        if ack.kind == "write":
-            m.tokens_written += ack.tokens
-            m.bytes_written += nbytes
-            m.write_time_s += elapsed
-        else:
-            m.tokens_loaded += ack.tokens
-            m.bytes_loaded += nbytes
-            m.load_time_s += elapsed
-
-    def _release_landed_loads(self) -> None:
-        """Give the layer counter back the slots of load batches that have landed, before their acks
-        are taken (a scheduler may start batches faster than it processes acks)."""
-        seen = self._landed("load", self.ack_load_queue)
-        for ack in seen[: self._count_landed(seen)]:
-            if ack.error is None and ack.generation in self.layer_counter.in_flight:
-                self.layer_counter.finish(ack.generation)
-
-    def _wait_landed(self) -> None:
-        """Block until every issued copy has landed (a copy's error stays on its ack)."""
-        for kind, q in (("write", self.ack_write_queue), ("load", self.ack_load_queue)):
-            for ack in self._landed(kind, q):
-                if ack.done is not None:
-                    try:
-                        ack.done.synchronize()
-                    except Exception as exc:
-                        ack.error = ack.error or exc
-        self._release_landed_loads()
-
-    def finished_writes(self) -> list[tuple[int, BaseException | None]]:
-        """Backups finished on every rank (agreed count), in submission order: ``(node_id, None)`` for a
-        completed one, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`).
-        Their host slots are still WRITING: the caller marks them synced, or aborts them."""
-        return self.finished(("write",))["write"]
-
-    def finished_loads(self) -> list[tuple[int, BaseException | None]]:
-        """Load-backs finished on every rank, in submission order, as :meth:`finished_writes`."""
-        return self.finished(("load",))["load"]
-
     def flush(self) -> None:
         """Start the queued load-backs and wait until every queued copy has run (acks still need
         processing by the tree)."""
@@ -583,7 +419,7 @@ class HiCacheController:
         self._start_pending()
         self._write_queue.join()
         self._load_queue.join()
-        self._wait_landed()
+        self.completions.wait_landed()
 
     def _drop_queued(self, error: CopyDropped) -> None:
         """Take every copy off the queues unrun and acknowledge it with ``error``; a dropped load batch
@@ -599,7 +435,7 @@ class HiCacheController:
                         continue
                     if op.kind == "load":
                         self.layer_counter.abort(op.generation, "controller closed")
-                    acks.append(_Ack(op.kind, op.node_ids, error, generation=op.generation))
+                    acks.append(CopyAck(op.kind, op.node_ids, error, generation=op.generation))
                 finally:
                     q.task_done()
 
@@ -628,7 +464,7 @@ class HiCacheController:
                     self._drop_queued(dropped)
             finally:
                 for op in self._pending_loads:  # loads never started (drain=False, or start failed)
-                    self.ack_load_queue.append(_Ack("load", op.node_ids, dropped))
+                    self.ack_load_queue.append(CopyAck("load", op.node_ids, dropped))
                 self._pending_loads.clear()
                 if self._finalizer is not None:
                     self._finalizer()  # the stop markers, queued behind what is still to run
@@ -636,7 +472,7 @@ class HiCacheController:
             t.join(timeout)
             if t.is_alive():
                 raise RuntimeError(f"HiCacheController: worker {t.name} did not stop within {timeout} s")
-        self._wait_landed()  # what was issued lands before close returns
+        self.completions.wait_landed()  # what was issued lands before close returns
 
     def __enter__(self) -> HiCacheController:
         return self

@@ -1,7 +1,8 @@
 """``python -m hicache.info``: what this installation and machine can do, for the cache layer.
 
 Everything ``python -m hicache_kernels.info`` prints (versions, archs, CUDA, GPUs and their PCIe links,
-usable io-backends), and which radix-tree core :class:`~hicache.HiRadixCache` takes here by default
+usable io-backends), whether the cache layer's compiled host core ``hicache._core`` imports (and from
+where, or why not), and which radix-tree core :class:`~hicache.HiRadixCache` takes here by default
 (``HICACHE_TREE_CORE`` honoured) and why. ``--json`` prints one JSON object.
 """
 
@@ -12,7 +13,14 @@ from typing import Any
 
 from hicache_kernels import info as kernel_info
 
+from .native import core_file, core_status
 from .tree_core import choose_core
+
+
+def host_core_status() -> dict[str, Any]:
+    """Whether ``hicache._core`` (:mod:`hicache.native`) imports: ``built``, ``reason`` and ``file``."""
+    ok, reason = core_status()
+    return {"built": ok, "reason": reason, "file": core_file()}
 
 
 def tree_core_status() -> dict[str, Any]:
@@ -26,7 +34,8 @@ def tree_core_status() -> dict[str, Any]:
 
 
 def add_cache_layer(report: dict[str, Any]) -> None:
-    """The cache layer's entries of the report: ``tree_core``."""
+    """The cache layer's entries of the report: ``host_core`` and ``tree_core``."""
+    report["host_core"] = host_core_status()
     report["tree_core"] = tree_core_status()
 
 

@@ -11,6 +11,8 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from .native import core_attr
+
 __all__ = ["SlotState"]
 
 _SHOW = 4  # slots listed in an error message before "..."
@@ -31,10 +33,9 @@ _RESERVED_INT = int(SlotState.RESERVED)
 
 
 def _compiled_page_stack(stack: np.ndarray, states: np.ndarray, ever: np.ndarray, page_size: int):
-    """``hicache_kernels._C.PageStack`` over the pool's arrays, or None without the extension."""
-    from hicache_kernels._ext import optional_attr  # noqa: PLC0415
-
-    page_stack = optional_attr("PageStack")
+    """``hicache._core.PageStack`` over the pool's arrays, or None when the host core is not built
+    (:func:`hicache.native.core_status` says why)."""
+    page_stack = core_attr("PageStack")
     return None if page_stack is None else page_stack(stack, states, ever, page_size)
 
 
@@ -105,7 +106,7 @@ class _PagedSlots:
         self._scratch = np.empty(num_pages, dtype=np.int32 if num_pages < 2**31 else np.int64)
         self._index = np.arange(num_pages, dtype=self._scratch.dtype)
         self._lock = threading.Lock()
-        # alloc's pops and the usual transitions in one compiled call each when the extension is built
+        # alloc's pops and the usual transitions in one compiled call each when the host core is built
         # (the same result as the numpy paths below, which tests also run): the scheduler allocates,
         # frees and moves host slots through their states several times per request.
         core = _compiled_page_stack(self._stack, self._states, self._ever, page_size)
@@ -215,7 +216,7 @@ class _PagedSlots:
         releases the slots' pages to the free stack.
 
         The usual input (whole pages, each in order, as alloc hands them out and the tree keeps them)
-        takes one compiled call when the extension is built, else O(n) numpy checks and page-indexed
+        takes one compiled call when the host core is built, else O(n) numpy checks and page-indexed
         updates, no sort; anything else, or any wrong state, goes through the full parse, which accepts
         it or names the fault the same way. ``guard(slots, pages)`` is the caller's last check of slots
         that passed these (``pages``: one per page, in order, on the usual input, else None); it raises

@@ -83,7 +83,7 @@ class HiRadixCache:
     write_through_threshold : hits that trigger a backup under ``write_through_selective`` (default 2).
     tree_core : ``"auto"`` (default; None reads the ``HICACHE_TREE_CORE`` environment variable, default
         ``"auto"``), ``"compiled"`` or ``"python"``: which core holds the tree (:mod:`hicache.tree_core`).
-        ``auto`` takes the compiled core when the extension is built; ``compiled`` raises
+        ``auto`` takes the compiled core when the host core ``hicache._core`` is built; ``compiled`` raises
         ``RuntimeError`` naming why it cannot. ``tree_core`` / ``tree_core_reason`` tell the choice.
     storage : the storage tier below the host pool (:mod:`hicache.storage_ops`): a
         :class:`~hicache.storage.StorageBackend`, or a backend name / ``module:Class`` built with

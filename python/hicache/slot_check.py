@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .pools import DeviceKVPool, _fmt_slots
+from .paged_slots import _fmt_slots
+from .pools import DeviceKVPool
 
 ARG = "device_indices"
 _SHOW_NODES = 3  # nodes named in a refused free before "..."

@@ -3,7 +3,7 @@
 The tree has two interchangeable cores:
 
 - ``python``: :class:`~hicache.tree.TreeNode` objects holding everything; the reference.
-- ``compiled``: ``hicache_kernels._C.RadixTree`` (C++, ``csrc/radix_tree.cpp``) holds every node's
+- ``compiled``: ``hicache._core.RadixTree`` (C++, ``csrc/host/radix_tree.cpp``) holds every node's
   token key, topology, device slots and access counters, and runs ``match_prefix`` and ``insert``
   (walk, split, touch, the check of the caller's slots, new node) in one call each. Nodes are
   :class:`CompiledNode` handles, made on first use (one per node, so ``is`` works), whose attributes
@@ -11,8 +11,9 @@ The tree has two interchangeable cores:
 
 Both give the same results for the same calls (``tests/test_tree_core.py`` runs them side by side on
 random operation sequences). ``HiRadixCache(tree_core=...)`` picks one: ``"auto"`` (the default, or
-the ``HICACHE_TREE_CORE`` environment variable) takes the compiled core when the extension is built,
-else the Python one; ``cache.tree_core`` says which, ``cache.tree_core_reason`` why.
+the ``HICACHE_TREE_CORE`` environment variable) takes the compiled core when the host core
+``hicache._core`` is built (every build makes it, with or without CUDA: :mod:`hicache.native`), else the
+Python one; ``cache.tree_core`` says which, ``cache.tree_core_reason`` why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .native import core_status, load_core
 
 TREE_CORES = ("auto", "compiled", "python")
 ENV = "HICACHE_TREE_CORE"
@@ -35,15 +38,8 @@ TOUCH = {"write_back": 0, "write_through_selective": 1, "write_through": 2}
 
 
 def compiled_core_status() -> tuple[bool, str]:
-    """``(True, "ok")`` when the compiled core can be used, else ``(False, reason)``."""
-    from hicache_kernels._ext import extension_status, load_extension  # noqa: PLC0415
-
-    ok, reason = extension_status()
-    if not ok:
-        return False, reason
-    if not hasattr(load_extension(), "RadixTree"):
-        return False, "the installed hicache_kernels._C predates the compiled tree core (rebuild the package)"
-    return True, "ok"
+    """``(True, "ok")`` when the compiled core (``hicache._core``) can be used, else ``(False, reason)``."""
+    return core_status()
 
 
 def choose_core(tree_core: str | None) -> tuple[str, str]:
@@ -62,7 +58,7 @@ def choose_core(tree_core: str | None) -> tuple[str, str]:
         return "python", f"asked for ({source}=python)"
     ok, reason = compiled_core_status()
     if ok:
-        return "compiled", f"hicache_kernels._C.RadixTree ({source}={tree_core})"
+        return "compiled", f"hicache._core.RadixTree ({source}={tree_core})"
     if tree_core == "compiled":
         raise RuntimeError(f"{source}: the compiled tree core cannot be used: {reason}")
     return "python", f"the compiled core cannot be used: {reason}"
@@ -195,13 +191,11 @@ class CompiledNode:
 
 
 class CompiledTree:
-    """The core (``hicache_kernels._C.RadixTree``) and the handles of its nodes (made on first use)."""
+    """The core (``hicache._core.RadixTree``) and the handles of its nodes (made on first use)."""
 
     def __init__(self, page_size: int, states: np.ndarray, owned: np.ndarray) -> None:
-        from hicache_kernels._ext import load_extension  # noqa: PLC0415
-
         self.page_size = page_size
-        self.core = load_extension().RadixTree(page_size)
+        self.core = load_core().RadixTree(page_size)
         self.core.bind_slots(states, owned)  # validate once: the pool's state bytes and the ownership bytes
         self._handles: dict[int, CompiledNode] = {}
 

@@ -9,16 +9,17 @@ against someone forging pages: the store is trusted).
 
 Why not CRC-32: ``zlib.crc32`` runs at about 7 GB/s on one core here, which made a batch read of
 pages from the page cache half as fast as a plain read of the same bytes. The words are independent,
-so the compiled version (``hicache_kernels._C.checksum_words``) runs at memory speed, and a page
+so the compiled version (``hicache._core.checksum_words``) runs at memory speed, and a page
 checked chunk by chunk, right after each chunk is read, costs no second pass over memory. Without
-the extension, a numpy version computes the same value (slower).
+the host core (a package that was not built: :func:`hicache.native.core_status` says why), a numpy
+version computes the same value (slower).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hicache_kernels._ext import optional_attr
+from ..native import core_attr
 
 __all__ = ["PageChecksum", "checksum", "finish"]
 
@@ -37,10 +38,10 @@ def _numpy_words(data: memoryview, first: int, total: int) -> int:
         return (total + int(x.sum(dtype=np.uint64))) & _MASK
 
 
-_compiled = optional_attr("checksum_words")
+_compiled = core_attr("checksum_words")
 # pread_checksum(fd, offset, buffers, first_word, sum, chunk) -> (bytes read, sum): a page read and
 # checksummed chunk by chunk in one call without the GIL (buffers of whole words); None without it.
-pread_checksum = optional_attr("pread_checksum")
+pread_checksum = core_attr("pread_checksum")
 
 
 def _words(data: memoryview, first: int, total: int) -> int:

@@ -22,7 +22,8 @@ same client remounts its segment by itself and the backend works again; objects 
 are gone (its metadata lived in memory). ``timeout_s`` is enforced by running client calls on shared
 daemon threads: a call that outlives it is left to finish in the background (the client's own RPC
 timeout ends it, about 30 s against a frozen master), and while ``max_abandoned`` such calls are
-outstanding the backend makes no new ones. A batch call left running may still move pages between the
+outstanding the backend makes no new ones (these bounded calls and the master's state:
+:mod:`hicache.storage.mooncake_calls`). A batch call left running may still move pages between the
 store and its host slots (the client does if it stalls mid-transfer): a late *get* would write them, a
 late *set* read them. So until it returns, :meth:`~MooncakeBackend.slots_busy` reports the host slots
 of its batch as busy, and its caller (the storage tier's cache) keeps them out of the host pool's free
@@ -49,56 +50,18 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import queue
 import socket
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .base import StorageBackend
+from .mooncake_calls import FAILED, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, RPC_ERRORS, MasterCalls
 
 __all__ = ["MooncakeBackend", "install_hint"]
 
 log = logging.getLogger("hicache.storage.mooncake")
-
-# Mooncake ErrorCode values (mooncake-store types.h) this backend tells apart; the Python client returns ints.
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-_RPC_ERRORS = range(-999, -899)  # RPC_FAIL, RPC_TIMEOUT, ...: the master did not answer
-
-_FAILED = object()  # a call that raised, timed out, or was not made (master down, backend closed)
-
-
-class _Workers:
-    """Daemon threads that run the client's calls for :meth:`MooncakeBackend._run`, shared by every
-    backend of the process: started when none is idle, never joined (a stuck call must not hold up the
-    interpreter's exit), reused (a call on a warm thread costs ~10x less than on a new one)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a job, less the jobs queued for them
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1
-        if start:
-            threading.Thread(target=self._loop, name="hicache-mooncake", daemon=True).start()
-        self._jobs.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            self._jobs.get()()
-            with self._lock:
-                self._idle += 1
-
-
-_WORKERS = _Workers()
 
 
 def install_hint() -> str:
@@ -220,14 +183,14 @@ class MooncakeBackend(StorageBackend):
                 f"the mooncake storage backend needs the Mooncake Store client: {install_hint()} ({e})"
             ) from e
 
-        self._lock = threading.Lock()
-        self._down = False  # the master is considered gone: no calls but a probe per retry_interval_s
-        self._warned = False  # an outage was logged and no call has reached the master since
-        self._retry_at = 0.0
-        # Calls past their timeout still running: each one's done event -> the host slots it may still
-        # read or write (None for a call that touches no host slot).
-        self._late: dict[threading.Event, torch.Tensor | None] = {}
-        self._closed = False
+        # Every client call goes through it: bounded in time, and none while the master is down.
+        self._calls = MasterCalls(
+            master_server_address,
+            timeout_s=self.timeout_s,
+            retry_interval_s=self.retry_interval_s,
+            max_abandoned=self.max_abandoned,
+            count=self._count,
+        )
         self._registered: tuple[int, int] | None = None  # (address, bytes) of the attached pool's buffer
         self._counts.update(skipped=0, not_found=0, errors=0, timeouts=0, outages=0, late_gets=0, late_sets=0)
 
@@ -243,7 +206,7 @@ class MooncakeBackend(StorageBackend):
         store = MooncakeDistributedStore()
         args = (self.local_hostname, metadata_server, self.global_segment_size, self.local_buffer_size, protocol,
                 device_name, master_server_address)  # fmt: skip
-        status, rc = self._run(store.setup, args, self.setup_timeout_s, on_late=lambda _: store.close())
+        status, rc = self._calls.run(store.setup, args, self.setup_timeout_s, on_late=lambda _: store.close())
         if status != "ok" or rc != 0:
             why = {"ok": f"setup returned {rc}", "raised": f"setup raised {rc!r}"}.get(
                 status, f"setup took longer than setup_timeout_s={self.setup_timeout_s:g}"
@@ -252,156 +215,8 @@ class MooncakeBackend(StorageBackend):
                 f"mooncake: could not connect to master {master_server_address} (metadata {metadata_server!r}, "
                 f"local_hostname {self.local_hostname!r}, protocol {protocol!r}): {why}"
             )
-        self._store = store
+        self._store = self._calls.store = store
         self._multi = hasattr(store, "batch_put_from_multi_buffers") and hasattr(store, "batch_get_into_multi_buffers")
-
-    # -- bounded calls and the master's state --------------------------------------------------------
-    def _run(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        timeout: float | None,
-        on_late: Callable[[Any], None] | None = None,
-        busy: torch.Tensor | None = None,
-    ) -> tuple[str, Any]:
-        """Call ``fn(*args)`` for at most ``timeout`` seconds: ``("ok", result)``, ``("raised", exc)`` or
-        ``("timeout", None)``; a call past its timeout finishes on its thread, then ``on_late(result)``.
-        ``busy``: the host slots the call reads or writes, reported by :meth:`slots_busy` from the moment
-        it is given up on until it returns (recorded under the lock that decides it is late, so a call
-        that ends meanwhile is either on time or recorded, never lost)."""
-        if timeout is None:
-            try:
-                return "ok", fn(*args)
-            except Exception as e:  # noqa: BLE001 - a client fault is a miss
-                return "raised", e
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def target() -> None:
-            try:
-                box["result"] = fn(*args)
-            except Exception as e:  # noqa: BLE001
-                box["error"] = e
-            with self._lock:
-                done.set()
-                late = box.get("late", False)
-                if late:
-                    del self._late[done]  # its host slots are no longer busy
-            if late and on_late is not None and "result" in box:
-                try:
-                    on_late(box["result"])
-                except Exception:  # noqa: BLE001
-                    log.debug("mooncake: cleanup after a late call failed", exc_info=True)
-
-        _WORKERS.submit(target)
-        if not done.wait(timeout):
-            with self._lock:
-                if not done.is_set():
-                    box["late"] = True
-                    self._late[done] = None if busy is None else busy.detach().to("cpu", torch.int64).clone()
-                    return "timeout", None
-        if "error" in box:
-            return "raised", box["error"]
-        return "ok", box["result"]
-
-    def _mark_down(self, why: str) -> None:
-        """Stop calling the store for ``retry_interval_s``; warn once per outage (an outage ends with a
-        call that reaches the master, not with a passing health probe, which can lag a lost master)."""
-        with self._lock:
-            self._retry_at = time.monotonic() + self.retry_interval_s
-            self._down = True
-            if self._warned:
-                return
-            self._warned = True
-            self._counts["outages"] += 1
-        log.warning(
-            "mooncake: master %s unavailable (%s); storage reads and writes are misses until it answers again",
-            self.master_server_address,
-            why,
-        )
-
-    def _deadline(self) -> float | None:
-        """When a public call must be done by: it may make a probe and up to two client calls, all within
-        one ``timeout_s``."""
-        return None if self.timeout_s is None else time.monotonic() + self.timeout_s
-
-    @staticmethod
-    def _left(deadline: float | None) -> float | None:
-        return None if deadline is None else deadline - time.monotonic()
-
-    def _available(self, deadline: float | None) -> bool:
-        """Whether to call the store now: the master is up, or down but the client says it is back."""
-        with self._lock:
-            if self._closed or len(self._late) >= self.max_abandoned:
-                return False
-            if not self._down:
-                return True
-            now = time.monotonic()
-            if now < self._retry_at:
-                return False
-            self._retry_at = now + self.retry_interval_s  # one probe per interval, whoever asks
-        probe = getattr(self._store, "health_check", None)
-        if probe is not None:
-            left = self._left(deadline)
-            status, rc = self._run(probe, (), left) if left is None or left > 0 else ("timeout", None)
-            if status != "ok" or rc != 0:
-                return False
-        with self._lock:
-            self._down = False  # on probation: the outage ends with a call that reaches the master
-        return True
-
-    def _reached(self) -> None:
-        """A call reached the master: the outage, if any, is over."""
-        with self._lock:
-            was, self._warned = self._warned, False
-        if was:
-            log.info("mooncake: master %s answers again", self.master_server_address)
-
-    def _call(
-        self,
-        what: str,
-        deadline: float | None,
-        fn: Callable[..., Any],
-        *args: Any,
-        on_late: Callable[[Any], None] | None = None,
-        busy: torch.Tensor | None = None,
-    ) -> Any:
-        """A store call that returns by ``deadline``: its result, or ``_FAILED`` (when it raised or ran out
-        of time the master is marked down; when no time was left it is not made). ``busy``: as for
-        :meth:`_run`."""
-        if not self._available(deadline):
-            return _FAILED
-        left = self._left(deadline)
-        if left is not None and left <= 0:
-            self._count(timeouts=1)
-            return _FAILED
-        status, out = self._run(fn, args, left, on_late, busy)
-        if status == "ok":
-            return out
-        if status == "timeout":
-            self._count(timeouts=1)
-            self._mark_down(f"{what} took longer than timeout_s={self.timeout_s:g}")
-        else:
-            self._mark_down(f"{what} raised {out!r}")
-        return _FAILED
-
-    def _codes(self, what: str, codes: Any, n: int) -> list[int] | None:
-        """Per-key result codes of a batch call, or None when the call failed as a whole (then marked down)."""
-        if codes is _FAILED:
-            return None
-        try:
-            codes = [int(c) for c in codes]
-        except (TypeError, ValueError):
-            codes = []
-        if len(codes) != n:
-            self._mark_down(f"{what} returned {n} keys' results as {codes!r}")
-            return None
-        rpc = [c for c in codes if c in _RPC_ERRORS]
-        if rpc:
-            self._mark_down(f"{what} failed with RPC error {rpc[0]}")
-        else:
-            self._reached()
-        return codes
 
     # -- attachment ----------------------------------------------------------------------------------
     def attach(self, host_pool: Any) -> MooncakeBackend:
@@ -415,7 +230,7 @@ class MooncakeBackend(StorageBackend):
         if region == self._registered:
             return self
         self._unregister()
-        status, rc = self._run(self._store.register_buffer, region, self.setup_timeout_s)
+        status, rc = self._calls.run(self._store.register_buffer, region, self.setup_timeout_s)
         if status != "ok" or rc != 0:
             self.host_pool = None
             raise RuntimeError(
@@ -427,11 +242,11 @@ class MooncakeBackend(StorageBackend):
 
     def _unregister(self) -> None:
         if self._registered is not None:
-            self._run(self._store.unregister_buffer, (self._registered[0],), self.timeout_s)
+            self._calls.run(self._store.unregister_buffer, (self._registered[0],), self.timeout_s)
             self._registered = None
 
     def _batch_pages(self, method: str, keys: Sequence[str], host_slots: torch.Tensor) -> list[list[tuple[int, int]]]:
-        if self._closed:
+        if self._calls.closed:
             raise RuntimeError(f"{method}: MooncakeBackend is closed")
         return self._pages(method, keys, host_slots)
 
@@ -440,40 +255,40 @@ class MooncakeBackend(StorageBackend):
         return self.batch_exists([key]) == 1
 
     def get(self, key: str) -> bytes | None:
-        value = self._call("get", self._deadline(), self._store.get, key)
-        if value is _FAILED or not value:  # the client returns b"" for a missing object
+        value = self._calls.call("get", self._calls.deadline(), self._store.get, key)
+        if value is FAILED or not value:  # the client returns b"" for a missing object
             return None
         return value if isinstance(value, bytes) else bytes(value)
 
     def set(self, key: str, value: bytes | memoryview) -> bool:
-        deadline = self._deadline()
+        deadline = self._calls.deadline()
         present = self._exist_codes([key], deadline)
-        if present is None or present[0] in _RPC_ERRORS:
+        if present is None or present[0] in RPC_ERRORS:
             return False
         if present[0] == 1:
             self._count(skipped=1)
             return True
-        rc = self._call("put", deadline, self._store.put, key, memoryview(value).cast("B"), self._config)
-        if rc is _FAILED:
+        rc = self._calls.call("put", deadline, self._store.put, key, memoryview(value).cast("B"), self._config)
+        if rc is FAILED:
             return False
-        if int(rc) in _RPC_ERRORS:
-            self._mark_down(f"put failed with RPC error {rc}")
+        if int(rc) in RPC_ERRORS:
+            self._calls.mark_down(f"put failed with RPC error {rc}")
         else:
-            self._reached()
+            self._calls.reached()
         return int(rc) in (0, OBJECT_ALREADY_EXISTS)
 
     # -- batches -------------------------------------------------------------------------------------
     def _exist_codes(self, keys: list[str], deadline: float | None) -> list[int] | None:
         """``batch_is_exist``'s per-key codes (1 present, 0 absent, negative an error), or None."""
-        return self._codes(
-            "batch_is_exist", self._call("batch_is_exist", deadline, self._store.batch_is_exist, keys), len(keys)
-        )
+        calls = self._calls
+        return calls.codes("batch_is_exist", calls.call("batch_is_exist", deadline, self._store.batch_is_exist, keys),
+                           len(keys))  # fmt: skip
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         keys = list(keys)
         if not keys:
             return 0
-        codes = self._exist_codes(keys, self._deadline())
+        codes = self._exist_codes(keys, self._calls.deadline())
         n = 0
         for c in codes or ():
             if c != 1:
@@ -504,8 +319,8 @@ class MooncakeBackend(StorageBackend):
             self._count(late_gets=1)
             log.warning("mooncake: a %s finished after its timeout; its host slots are free to reuse now", what)
 
-        got = self._call(what, self._deadline(), fn, keys, *args, on_late=late, busy=host_slots)
-        codes = self._codes(what, got, len(keys))
+        got = self._calls.call(what, self._calls.deadline(), fn, keys, *args, on_late=late, busy=host_slots)
+        codes = self._calls.codes(what, got, len(keys))
         out = [c == nbytes for c in codes] if codes is not None else [False] * len(keys)
         hits = sum(out)
         if codes is not None:
@@ -524,9 +339,9 @@ class MooncakeBackend(StorageBackend):
             return super().batch_set_from(keys, host_slots)  # an old client: copy through set()
         keys, nbytes = list(keys), self.host_pool.page_bytes
         out = [False] * len(keys)
-        deadline = self._deadline()
+        deadline = self._calls.deadline()
         present = self._exist_codes(keys, deadline)
-        if present is not None and not any(c in _RPC_ERRORS for c in present):
+        if present is not None and not any(c in RPC_ERRORS for c in present):
             first: dict[str, int] = {}  # each absent key once (a batch may repeat a key)
             for i, (key, c) in enumerate(zip(keys, present, strict=True)):
                 if c == 1:
@@ -547,8 +362,9 @@ class MooncakeBackend(StorageBackend):
 
                 # Busy until it returns: a late put must read the pages it was given, not what a reuse of
                 # their slots put there (a wrong object under a content key, for every reader of the store).
-                put = self._call(what, deadline, fn, put_keys, *args, self._config, on_late=late, busy=host_slots)
-                codes = self._codes(what, put, len(todo))
+                put = self._calls.call(what, deadline, fn, put_keys, *args, self._config, on_late=late,
+                                       busy=host_slots)  # fmt: skip
+                codes = self._calls.codes(what, put, len(todo))
                 if codes is not None:
                     stored = {keys[i]: c in (0, OBJECT_ALREADY_EXISTS) for i, c in zip(todo, codes, strict=True)}
                     self._count(errors=sum(not ok for ok in stored.values()))
@@ -566,18 +382,7 @@ class MooncakeBackend(StorageBackend):
         """Whether a batch call given up on at its ``timeout_s`` and still running holds any of
         ``host_slots`` (its whole batch), after waiting up to ``timeout`` seconds for those calls to end.
         Closing the backend does not end them: their slots stay busy until they return."""
-        slots = host_slots.detach().to("cpu", torch.int64)
-        with self._lock:
-            calls = [
-                done
-                for done, held in self._late.items()
-                if held is not None and len(slots) and bool(torch.isin(held, slots).any())
-            ]
-        end = None if timeout is None else time.monotonic() + timeout
-        for done in calls:
-            if not done.wait(None if end is None else max(0.0, end - time.monotonic())):
-                return True
-        return False
+        return self._calls.slots_busy(host_slots, timeout)
 
     def stats(self) -> dict[str, int | float | str]:
         """The base counters plus ``skipped`` (keys already stored on a set), ``not_found``, ``errors``
@@ -586,17 +391,15 @@ class MooncakeBackend(StorageBackend):
         ``abandoned`` (calls past their timeout still running; a batch call's slots are busy meanwhile)
         and ``master``."""
         out = super().stats()
-        with self._lock:
-            out.update(master_up=int(not self._down), abandoned=len(self._late), master=self.master_server_address)
+        master_up, abandoned = self._calls.health()
+        out.update(master_up=int(master_up), abandoned=abandoned, master=self.master_server_address)
         return out
 
     def close(self) -> None:
         """Unregister the host pool's buffer and close the client (its segment leaves the store, with the
         objects in it). Bounded by ``setup_timeout_s``; a client that takes longer is left to finish."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._calls.close():
+            return
         store = getattr(self, "_store", None)
         if store is None:
             return
@@ -607,6 +410,6 @@ class MooncakeBackend(StorageBackend):
                 self._registered = None
             store.close()
 
-        status, err = self._run(shut, (), self.setup_timeout_s)
+        status, err = self._calls.run(shut, (), self.setup_timeout_s)
         if status != "ok":
             log.warning("mooncake: closing the client %s", "timed out" if status == "timeout" else f"raised {err!r}")

@@ -1,4 +1,4 @@
-"""Triton io-backend: one gather/scatter kernel that performs any :class:`~hicache_kernels.plan.TransferPlan`.
+"""The ``triton`` io-backend: one gather/scatter kernel that performs any :class:`~hicache_kernels.plan.TransferPlan`.
 
 The kernel implements the plan's byte formulas exactly (see :mod:`hicache_kernels.plan`)::
 
@@ -29,13 +29,15 @@ Devices
 - CPU tensors run under Triton's interpreter and need ``TRITON_INTERPRET=1`` set before Triton is
   imported (tests/conftest.py does this). Affine sides are passed as ``uint8`` aliases of their
   tensor's storage starting at the side's base address; tables as CPU int64 tensors.
-- CUDA: tables become CUDA int64 tensors (:class:`hicache_kernels.launch.DeviceTables`, the one
-  table cache the kernel backend uses too), kept for exactly as long as the memory of the tensors
-  they were taken from lives, so repeated calls and CUDA-graph capture reuse them and a captured
-  graph's table is never freed under it (the first call for a route uploads its table, which cannot
-  happen under capture: make it before capturing). The launch goes to ``plan.stream`` if given, else
-  the current stream, and never synchronises. Index tensors on the CPU are copied to the device
-  first (use device indices under graph capture).
+- CUDA: the launch is prepared as the kernel backend's is
+  (:func:`~hicache_kernels.backends.base.prepare_gpu_launch`): tables become CUDA int64 tensors
+  (:class:`hicache_kernels.launch.DeviceTables`, the one table cache of the package), kept for exactly
+  as long as the memory of the tensors they were taken from lives, so repeated calls and CUDA-graph
+  capture reuse them and a captured graph's table is never freed under it (the first call for a
+  route uploads its table, which cannot happen under capture: make it before capturing). The launch
+  goes to ``plan.stream`` if given (on the device pool's device), else the current stream, and never
+  synchronises. Index tensors on the CPU are copied to the device first, on the launch stream (use
+  device indices under graph capture).
 - **Zero-copy host access (untested: no GPU run has exercised this path yet).** A host side whose
   tensor is a *pinned* CPU tensor is not copied: the kernel reads or writes the pinned pages directly
   over PCIe/NVLink. Triton receives a small object exposing ``data_ptr()`` and ``dtype`` in place of
@@ -47,12 +49,12 @@ Devices
   addressed by the GPU.
 
 Triton is imported on the first call only; without it :func:`run_triton` raises
-:class:`~hicache_kernels.BackendUnavailableError` with the reason.
+:class:`~hicache_kernels.BackendUnavailableError` with the reason. :class:`TritonBackend` is the
+io-backend running :func:`run_triton`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -60,9 +62,12 @@ from typing import Any
 
 import torch
 
-from . import launch as launch_state
-from ._ext import BackendUnavailableError
-from .plan import Route, Side, TransferPlan
+from .._ext import BackendUnavailableError
+from ..plan import Route, Side, TransferPlan
+from .base import IOBackend, device_indices, pinned_reason, prepare_gpu_launch
+
+__all__ = ["MAX_BLOCK", "MAX_UNITS", "TILE_BYTES", "TritonBackend", "element_width", "launch_shape", "pick_width",
+           "run_triton"]  # fmt: skip
 
 # Filled by _import_triton(); the kernel resolves ``tl`` from this module's globals when it compiles.
 tl: Any = None
@@ -337,7 +342,7 @@ def run_triton(plan: TransferPlan) -> None:
         Triton does not import; CPU tensors without ``TRITON_INTERPRET=1``; CUDA tensors with it.
     ValueError
         A host pool that is not pinned in a CUDA transfer (names ``host``); index tensors of
-        different lengths or not 1-D.
+        different lengths or not 1-D; ``plan.stream`` on another device than the device pool.
 
     Notes
     -----
@@ -430,19 +435,13 @@ def run_triton(plan: TransferPlan) -> None:
         return
 
     device = route.device
-    stream_ctx = torch.cuda.stream(plan.stream) if plan.stream is not None else contextlib.nullcontext()
-    with torch.cuda.device(device.index), stream_ctx:
-        capture = launch_state.capturing()
-        g = launch_state.gpu_route(plan, capturing=capture)
-        shape = _shape(route, g.align)
-        elem = _WIDTH_DTYPES[shape.width]
-        src_arg = g.src.table if g.src.table is not None else _RawPointer(g.src.base, elem)
-        dst_arg = g.dst.table if g.dst.table is not None else _RawPointer(g.dst.base, elem)
-        # CPU indices are copied on the launch stream, so the copy is ordered before the kernel.
-        s_idx = src_idx if src_idx.device == device else src_idx.to(device, non_blocking=True)
-        d_idx = dst_idx if dst_idx.device == device else dst_idx.to(device, non_blocking=True)
-        if not capture:
-            g.use_tables_on(torch._C._cuda_getCurrentRawStream(device.index), None)
+    g, _, stream = prepare_gpu_launch(plan)  # as the kernel backend's launch: tables, host alias, streams
+    shape = _shape(route, g.align)
+    elem = _WIDTH_DTYPES[shape.width]
+    src_arg = g.src.table if g.src.table is not None else _RawPointer(g.src.base, elem)
+    dst_arg = g.dst.table if g.dst.table is not None else _RawPointer(g.dst.base, elem)
+    s_idx, d_idx = device_indices(plan, device, stream)  # on the launch stream: ordered before the kernel
+    with torch.cuda.device(device.index), torch.cuda.stream(stream):  # Triton launches on the current stream
         launch(shape, device, src_arg, dst_arg, s_idx, d_idx)
 
 
@@ -469,3 +468,20 @@ def _cdiv(a: int, b: int) -> int:
 
 def _tl_elem(width: int) -> Any:
     return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}[width]
+
+
+class TritonBackend(IOBackend):
+    """Triton gather/scatter (:func:`run_triton`): on a CUDA device pool with a pinned host pool, or on
+    CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``). All its work happens at issue."""
+
+    name = "triton"
+
+    def unavailable(self, plan: TransferPlan) -> str | None:
+        if plan.route.on_cuda:
+            return pinned_reason(plan)
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing triton"
+        return None
+
+    def _run(self, plan: TransferPlan) -> None:
+        run_triton(plan)

@@ -40,11 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._ext import cuda_runtime_status
-from .direct import DirectBackend
-from .fragments import Fragments, TensorMemory, host_indices
-from .iobackend import IOBackend, nothing, pinned_reason, plan_stream
-from .plan import TransferPlan
+from .._ext import cuda_runtime_status
+from ..fragments import Fragments, TensorMemory, host_indices
+from ..plan import TransferPlan
+from .base import IOBackend, nothing, pinned_reason, plan_stream
+from .copy_engine import DirectBackend
+
+__all__ = ["StagedBackend", "plan_units"]
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
