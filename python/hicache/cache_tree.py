@@ -30,11 +30,9 @@ from .policies import EvictionPolicy
 from .pools import DeviceKVPool
 from .slot_check import TreeDeviceSlots
 from .tree import TreeNode, depth, is_attached, subtree
-from .tree_core import CompiledNode, CompiledTree
+from .tree_core import _LOST, CompiledNode, CompiledTree
 
 __all__ = ["CacheTree"]
-
-_LOST_FLAG = 1  # the compiled core's flag that makes match_prefix stop at a lost node
 
 
 class _LostNodes(dict):
@@ -50,12 +48,12 @@ class _LostNodes(dict):
     def __setitem__(self, node_id: int, node: Any) -> None:
         super().__setitem__(node_id, node)
         if self.core is not None:
-            self.core.set_flag(node_id, _LOST_FLAG, True)
+            self.core.set_flag(node_id, _LOST, True)
 
     def __delitem__(self, node_id: int) -> None:
         super().__delitem__(node_id)
         if self.core is not None and self.core.alive(node_id):
-            self.core.set_flag(node_id, _LOST_FLAG, False)
+            self.core.set_flag(node_id, _LOST, False)
 
 
 class CacheTree:

@@ -238,13 +238,3 @@ class CopyCompletions:
                     except Exception as exc:
                         ack.error = ack.error or exc
         self.release_landed_loads()
-
-    def finished_writes(self) -> list[tuple[int, BaseException | None]]:
-        """Backups finished on every rank (agreed count), in submission order: ``(node_id, None)`` for a
-        completed one, ``(node_id, error)`` for one that raised or was dropped (:class:`CopyDropped`).
-        Their host slots are still WRITING: the caller marks them synced, or aborts them."""
-        return self.finished(("write",))["write"]
-
-    def finished_loads(self) -> list[tuple[int, BaseException | None]]:
-        """Load-backs finished on every rank, in submission order, as :meth:`finished_writes`."""
-        return self.finished(("load",))["load"]
