@@ -48,6 +48,32 @@ def page_bytes(host: HostKVPool, slots: torch.Tensor) -> list[bytes]:
     return out
 
 
+def object_bytes(host: HostKVPool, slots: torch.Tensor, head_group: int = 1, first_group: int = 0) -> list[bytes]:
+    """The stored objects of each page of ``slots`` as the storage tier writes them (MLA: the page's
+    bytes; MHA: one object per group of ``head_group`` heads, head-major ``[K|V, head, token, layer, D]``),
+    page by page, by tensor indexing through the layout (independent of
+    :class:`hicache.storage.objects.StoredObjects`); ``first_group`` only names the groups' order."""
+    if host.mla:
+        return page_bytes(host, slots)
+    L, H, D = host.num_layers, host.head_num, host.head_dim
+    out = []
+    for p in range(0, len(slots), PAGE):
+        s = slots[p : p + PAGE]
+        page = int(s[0]) // PAGE
+        if host.layout == "layer_first":  # [2, L, N, H, D] -> [2, H, token, L, D]
+            kv = host.buffer[:, :, s].permute(0, 3, 2, 1, 4)
+        elif host.layout == "page_first":  # [2, N, L, H, D]
+            kv = host.buffer[:, s].permute(0, 3, 1, 2, 4)
+        elif host.layout == "page_first_direct":  # [2, P, L, page, H, D]
+            kv = host.buffer[:, page].permute(0, 3, 2, 1, 4)
+        else:  # page_head: [2, P, H, page, L, D]
+            kv = host.buffer[:, page]
+        assert tuple(kv.shape) == (2, H, PAGE, L, D)
+        for g in range(H // head_group):
+            out.append(kv[:, g * head_group : (g + 1) * head_group].contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
 # -- a fake Mooncake Store client ------------------------------------------------------------------------
 OBJECT_NOT_FOUND = -704
 

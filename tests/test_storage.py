@@ -71,10 +71,14 @@ def test_namespace_and_salt_change_keys():
     tokens = list(range(3 * PAGE))
     ref = page_keys(tokens, PAGE, namespace=Namespace(**base))
     for change in [dict(model_id="m2"), dict(dtype="float16"), dict(num_layers=4), dict(head_num=1),
-                   dict(head_dim=16), dict(layout="layer_first"), dict(tp_rank=1, tp_size=2), dict(tp_size=2),
-                   dict(salt="tenant-a")]:  # fmt: skip
+                   dict(head_dim=16), dict(tp_size=2), dict(head_group=2), dict(salt="tenant-a")]:  # fmt: skip
         other = page_keys(tokens, PAGE, namespace=Namespace(**{**base, **change}))
         assert all(a != b for a, b in zip(ref, other, strict=True)), change
+    # An MHA page is stored as head groups, head-major whatever the layout: the model's heads decide the
+    # keys, not how TP cuts them (TP=2 ranks of one head each = TP=1 with both) nor the host layout.
+    for same in [dict(layout="layer_first"), dict(layout="page_head"), dict(head_num=1, tp_rank=0, tp_size=2),
+                 dict(head_num=1, tp_rank=1, tp_size=2, layout="page_head")]:  # fmt: skip
+        assert page_keys(tokens, PAGE, namespace=Namespace(**{**base, **same})) == ref, same
     assert page_keys(tokens, PAGE, namespace=Namespace(**base, salt="a")) != page_keys(
         tokens, PAGE, namespace=Namespace(**base, salt="b")
     )
@@ -85,6 +89,16 @@ def test_namespace_and_salt_change_keys():
     assert Namespace(**base, tp_rank=1, tp_size=2).writer
     host = host_pool("page_first_direct", mla=True)
     assert Namespace.for_pool(host, "m").layout == "page_first_direct"
+    assert Namespace(**mla).digest != Namespace(**{**mla, "layout": "layer_first"}).digest  # MLA: layout order
+    assert Namespace(**mla).digest == Namespace(**mla, head_group=3).digest  # no heads to group
+
+
+@pytest.mark.parametrize("head_group", [0, -1, 3, True, 1.0, "1"])
+def test_head_group_must_divide_the_rank_heads(head_group):
+    base = dict(model_id="m", dtype="bfloat16", num_layers=3, head_num=2, head_dim=8, page_size=PAGE,
+                layout="page_first", tp_size=4)  # fmt: skip
+    with pytest.raises(ValueError, match="head_group"):
+        Namespace(**base, head_group=head_group)
 
 
 # -- round trips ------------------------------------------------------------------------------------------

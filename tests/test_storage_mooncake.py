@@ -506,7 +506,7 @@ def test_master_frozen_killed_and_restarted(master_binary, tmp_path, caplog):
 def test_two_caches_share_a_store(master, layout, mla):
     """Cache A computes a prompt and backs it up to the store; cache B (another client of the same
     master, a fresh tree) prefetches it, loads it to the device and reads A's KV byte for byte. A stays
-    open meanwhile: Mooncake keeps objects in the segments of the client that put them."""
+    open meanwhile: Mooncake keeps objects in the segments of the clients that are up (A's among them)."""
     from hicache import DeviceKVPool as Dev
     from hicache import HiRadixCache
     from hicache import HostKVPool as Host

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from storagedata import page_bytes
+from storagedata import object_bytes, page_bytes
 
 from hicache import DeviceKVPool, HiRadixCache, HostKVPool
 from hicache.storage import FileBackend, StorageBackend, page_keys
@@ -132,13 +132,16 @@ def test_below_threshold_nothing_starts(tmp_path):
 def test_corrupt_page_ends_the_prefix_and_nothing_wrong_is_loaded(tmp_path):
     store(FileBackend(tmp_path))
     files = sorted(Path(tmp_path).rglob("*.kv"))
-    assert len(files) == 12
-    # The 6th page's object, named by the key chain rooted in the cache's namespace: flip a payload byte.
+    assert len(files) == 12 * HEAD_NUM  # an object per page and head (storage_head_group=1)
+    # The 6th page's last head's object, named by the key chain rooted in the cache's namespace: flip a
+    # payload byte (the page's other heads are intact: a page is a hit only when all of them are).
     with make(FileBackend(tmp_path)) as b:
         keys = page_keys(TOKENS, 4, prev_digest=b.storage.root_digest)
         prefill(b, TOKENS[:4])
         assert b.storage_ops.keys_of(b.match_prefix(TOKENS[:4]).last_device_node) == keys[:1]
-    victim = next(f for f in files if f.stem == keys[5])
+        objects = b.storage.objects.keys(keys)
+    assert HEAD_NUM > 1 and len(objects) == 12 * HEAD_NUM
+    victim = next(f for f in files if f.stem == objects[5 * HEAD_NUM + HEAD_NUM - 1])
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -261,9 +264,11 @@ def test_a_late_mooncake_read_never_lands_in_reused_host_slots(fake_mooncake):
     """A prefetch read that Mooncake gives up on at timeout_s is a miss, but the client may still write
     the pages into their host slots later: the cache keeps those slots out of the host pool until the
     call returns, so another node's host copy, taken meanwhile, is never overwritten."""
-    store(fake_mooncake.backend())  # a first instance backs TOKENS' 12 pages up to the store
+    # page_head: the backend reads straight into the host slots (zero copy; staged layouts read into a
+    # staging area instead, test_a_busy_staging_area_is_never_reused).
+    store(fake_mooncake.backend(), layout="page_head")  # a first instance backs TOKENS' 12 pages up to the store
     be = fake_mooncake.backend(timeout_s=0.05, retry_interval_s=3600)  # down after the timeout: no more calls
-    with make(be, batch_pages=12) as b:
+    with make(be, batch_pages=12, layout="page_head") as b:
         random_bytes_(b.host_pool.buffer, torch.Generator().manual_seed(50))  # poison every host slot
         reads: list[torch.Tensor] = []
         real = be.batch_get_into
@@ -272,7 +277,7 @@ def test_a_late_mooncake_read_never_lands_in_reused_host_slots(fake_mooncake):
         try:
             assert prefetch(b, TOKENS) == 0  # gave up at timeout_s: nothing inserted, the client goes on
             (late,) = reads
-            assert len(late) == 48
+            assert len(late) == 48 and bool((late < b.host_pool.size).all())  # host slots: zero copy
             b.verify()
             prefill(b, OTHER)
             b.flush()  # OTHER's host copy takes host slots meanwhile
@@ -285,8 +290,9 @@ def test_a_late_mooncake_read_never_lands_in_reused_host_slots(fake_mooncake):
             stall.release.set()
         assert stall.done.wait(HANG_S)  # the late read has written its pages
         assert page_bytes(b.host_pool, other) == before, "a late storage read overwrote another node's host copy"
-        keys = page_keys(TOKENS, 4, prev_digest=b.storage.root_digest)
-        assert page_bytes(b.host_pool, late) == [fake_mooncake.objects[k] for k in keys]  # it landed where held
+        keys = b.storage.objects.keys(page_keys(TOKENS, 4, prev_digest=b.storage.root_digest))
+        landed = object_bytes(b.host_pool, late)
+        assert landed == [fake_mooncake.objects[k] for k in keys]  # it landed where held
         assert not torch.isin(other, late).any()
         assert not be.slots_busy(late, timeout=HANG_S)
         b.check_storage()  # the held slots go back to the pool once the call returned
@@ -296,13 +302,56 @@ def test_a_late_mooncake_read_never_lands_in_reused_host_slots(fake_mooncake):
         assert load_and_check(b, OTHER) == 48  # OTHER's KV back from its host copy, byte for byte
 
 
+class BusyStaging(FileBackend):
+    """A file backend that says a transfer it gave up on still holds the staging slots while ``busy``."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.busy = False
+        self.asked: list[torch.Tensor] = []
+
+    def slots_busy(self, host_slots, timeout=0.0):
+        self.asked.append(host_slots.clone())
+        return self.busy and bool((host_slots >= self.host_pool.host_pool.size).any())
+
+
+def test_a_busy_staging_area_is_never_reused(tmp_path):
+    """Staged objects (page_first, two heads a rank): a backend that still holds a staging area (a call it
+    gave up on) gets no new batch through it: the backup fails and the prefetch misses, nothing lands in
+    the host pages; once it lets go both work. Host slots are never held for it (it never touched them)."""
+    backend = BusyStaging(tmp_path)
+    with make(backend) as a:
+        assert not a.storage.objects.zero_copy
+        backend.busy = True
+        prefill(a, TOKENS)
+        a.flush()
+        assert a.metrics.storage_backups_failed == 1 and a.metrics.storage_pages_written == 0
+        assert not list(Path(tmp_path).rglob("*.kv")) and not a.storage_ops.held.held
+        backend.busy = False
+        a.evict(a.device_pool.size)
+        a.evict_host(a.host_pool.size)
+        prefill(a, TOKENS)
+        a.flush()
+        assert a.metrics.storage_pages_written == 12
+    backend = BusyStaging(tmp_path)
+    with make(backend) as b:
+        backend.busy = True
+        free = b.host_pool.available_size()
+        assert prefetch(b, TOKENS) == 0 and b.metrics.storage_read_time_s >= 0
+        assert b.host_pool.available_size() == free and not b.storage_ops.held.held  # host slots back at once
+        assert any(bool((s >= b.host_pool.size).all()) for s in backend.asked)  # it asked about the staging slots
+        backend.busy = False
+        assert prefetch(b, TOKENS, rid="again") == 48
+        assert load_and_check(b, TOKENS) == 48
+
+
 def test_a_late_mooncake_write_stores_the_pages_it_was_given(fake_mooncake):
     """A backup put that Mooncake gives up on at timeout_s is a failed backup, but the client may still
     read the pages from their host slots later: the cache keeps those slots out of the host pool (the
     node's host copy is evicted meanwhile) until the call returns, so the put stores the node's pages,
     never another node's under its keys."""
     be = fake_mooncake.backend(timeout_s=0.05, retry_interval_s=3600)
-    with make(be) as a:
+    with make(be, layout="page_head") as a:  # zero copy: the put reads the host slots themselves
         random_bytes_(a.host_pool.buffer, torch.Generator().manual_seed(51))
         stall = fake_mooncake.stall("put")
         try:
@@ -310,7 +359,7 @@ def test_a_late_mooncake_write_stores_the_pages_it_was_given(fake_mooncake):
             a.flush()  # the host copy, then its backup: the put outlives timeout_s (told False), the node unlocks
             assert a.metrics.storage_pages_written == 0 and not a.storage_ops.backups
             slots = a.match_prefix(TOKENS).last_device_node.host_value.clone()
-            want = page_bytes(a.host_pool, slots)
+            want = object_bytes(a.host_pool, slots)
             assert a.evict(a.device_pool.size) == 48 and a.evict_host(a.host_pool.size) == 48  # gone from both
             a.verify()
             prefill(a, OTHER)
@@ -320,7 +369,7 @@ def test_a_late_mooncake_write_stores_the_pages_it_was_given(fake_mooncake):
         finally:
             stall.release.set()
         assert stall.done.wait(HANG_S)  # the late put has read its pages
-        keys = page_keys(TOKENS, 4, prev_digest=a.storage.root_digest)
+        keys = a.storage.objects.keys(page_keys(TOKENS, 4, prev_digest=a.storage.root_digest))
         assert [fake_mooncake.puts[k] for k in keys] == want, "a late put stored other bytes under the keys"
         assert not torch.isin(other, slots).any() and len(a.storage_ops.held.held) == 1  # held until the put returned
         assert not be.slots_busy(slots, timeout=HANG_S)
@@ -382,7 +431,7 @@ def test_host_eviction_waits_for_the_storage_backup_device_eviction_does_not(tmp
         assert not a.storage_ops.backups and not a.tree.host_pins
         assert a.evict_host(a.host_pool.size) == 48
         a.verify()
-    assert len(list(Path(tmp_path).rglob("*.kv"))) == 12
+    assert len(list(Path(tmp_path).rglob("*.kv"))) == 12 * HEAD_NUM
 
 
 def test_prefetch_discarded_when_the_tree_caught_up(tmp_path):
@@ -601,3 +650,20 @@ def test_check_prefetches_agrees_all_requests_in_one_collective(tmp_path, monkey
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group", [3, 0, True])
+def test_a_head_group_that_does_not_divide_the_heads_is_refused_first(tmp_path, group):
+    """``storage_head_group`` must divide the rank's K/V heads: a clear error at construction, before the
+    backend is built (its directory is never created)."""
+    dev = DeviceKVPool(num_slots=16, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM, dtype=torch.float32,
+                       device="cpu", page_size=4)  # fmt: skip
+    host = HostKVPool(dev, layout="page_head", ratio=2.0, safety_margin_gb=0.0)
+    path = tmp_path / "store"
+    with pytest.raises(ValueError, match="head_group"):
+        HiRadixCache(dev, host, io_backend="direct", threaded=False, storage="file", storage_config={"path": str(path)},
+                     model_id="m", storage_head_group=group)  # fmt: skip
+    assert not path.exists()
+    with HiRadixCache(dev, host, io_backend="direct", threaded=False, storage="file",
+                      storage_config={"path": str(path)}, model_id="m", storage_head_group=HEAD_NUM) as ok:  # fmt: skip
+        assert ok.storage.objects.objects_per_page == 1 and ok.storage.objects.page_bytes == host.page_bytes

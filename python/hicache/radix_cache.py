@@ -90,6 +90,9 @@ class HiRadixCache:
         ``storage_config`` (a dict or a JSON/TOML path). None (default): no storage tier.
     model_id : required with ``storage``: names the weights in the page keys' namespace.
     storage_salt : optional; caches with different salts never share stored pages.
+    storage_head_group : K/V heads per stored object of an MHA page (default 1; a divisor of this rank's
+        heads, else ``ValueError``): caches of one model with any TP size and host layout share stored
+        pages when they use the same group size (:mod:`hicache.storage.objects`). Ignored for MLA.
     prefetch_policy : ``best_effort`` (default), ``wait_complete``, ``timeout``, or a
         :class:`~hicache.storage.tier.PrefetchPolicy` (thresholds, timeouts, host-slot cap).
     """
@@ -120,6 +123,7 @@ class HiRadixCache:
         storage_config: Any = None,
         model_id: str | None = None,
         storage_salt: str | None = None,
+        storage_head_group: int = 1,
         prefetch_policy: str | PrefetchPolicy = "best_effort",
         device_model: Any = None,
     ) -> None:
@@ -146,7 +150,7 @@ class HiRadixCache:
         try:
             tier = create_tier(
                 storage, storage_config, model_id, storage_salt, prefetch_policy, host_pool, self.controller,
-                threaded=threaded is not False and self.controller.side_threads,
+                threaded=threaded is not False and self.controller.side_threads, head_group=storage_head_group,
             )  # fmt: skip
         except BaseException:
             if self._owns_controller:

@@ -57,22 +57,24 @@ def create_tier(
     host_pool: HostKVPool,
     controller: HiCacheController,
     threaded: bool,
+    head_group: int = 1,
 ) -> StorageTier | None:
     """The storage tier ``HiRadixCache(storage=...)`` asks for (None without ``storage``); the arguments
-    are the cache's (``ValueError`` naming ``model_id`` when it is missing)."""
+    are the cache's (``ValueError`` naming ``model_id`` when it is missing, ``head_group`` when it does
+    not divide the host pool's heads: both before a backend is built)."""
     if storage is None:
         return None
     if model_id is None or not isinstance(model_id, str) or not model_id:
         raise ValueError("model_id: the storage tier needs the model's id (its bytes depend on the weights)")
     policy = prefetch_policy if isinstance(prefetch_policy, PrefetchPolicy) else PrefetchPolicy(prefetch_policy)
-    backend = create_backend(storage, storage_config) if isinstance(storage, str) else storage
     group = controller.tp_group
     tp = {}
     if group is not None:
         import torch.distributed as dist  # noqa: PLC0415
 
         tp = {"tp_rank": dist.get_rank(group), "tp_size": dist.get_world_size(group)}
-    namespace = Namespace.for_pool(host_pool, model_id, salt=storage_salt, **tp)
+    namespace = Namespace.for_pool(host_pool, model_id, salt=storage_salt, head_group=head_group, **tp)
+    backend = create_backend(storage, storage_config) if isinstance(storage, str) else storage
     return StorageTier(backend, host_pool, namespace, controller.agree_min, policy, threaded=threaded)
 
 

@@ -1,10 +1,14 @@
 """The storage-tier interface: :class:`StorageBackend`.
 
-A backend stores *page objects* under *page keys* (:func:`hicache.storage.keys.page_keys`). A page
-object is the bytes of one host-pool page (``page_size`` slots, all layers, K and V or the MLA
-latent), in the order of its memory ranges in the host pool
-(:meth:`hicache.pools.HostKVPool.page_ranges`), ``host_pool.page_bytes`` long. The namespace is in the
-key (the chain is rooted in it), so a backend needs no namespace to keep deployments apart.
+A backend stores *objects* under 64-hex-character keys. Attached to a host pool, an object is the
+bytes of one host-pool page (``page_size`` slots, all layers, K and V or the MLA latent), in the order
+of its memory ranges in the host pool (:meth:`hicache.pools.HostKVPool.page_ranges`),
+``host_pool.page_bytes`` long, under its page key (:func:`hicache.storage.keys.page_keys`). The storage
+tier attaches its :class:`~hicache.storage.objects.StoredObjects` instead, which has the same
+``page_ranges`` / ``page_bytes`` / ``buffer`` (plus ``extra_buffers``, staging memory a backend that
+registers memory registers too): there an MHA page is one object per head group, each under its own
+key. The namespace is in the key (the chain is rooted in it), so a backend needs no namespace to keep
+deployments apart.
 
 A user backend implements three methods, :meth:`~StorageBackend.exists`, :meth:`~StorageBackend.get`
 and :meth:`~StorageBackend.set`; everything else has a default built on them and may be overridden for

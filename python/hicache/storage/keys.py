@@ -3,9 +3,10 @@
 A page's key is ``SHA-256(previous page's digest || this page's token ids as little-endian uint32)``.
 The first page of a sequence chains from the :class:`Namespace` digest (or from ``prev_digest``, the
 digest of the page before when continuing a sequence), so a key names the page's whole prefix *and*
-everything its bytes depend on: model, dtype, geometry, host layout, TP shard and an optional salt. Two
-deployments that differ in any of these never compute the same key, so they never read each other's
-bytes even when they share a store.
+everything its bytes depend on: model, dtype, geometry, the stored objects' format and an optional salt.
+Two deployments that differ in any of these never compute the same key, so they never read each other's
+bytes even when they share a store. The TP size is never in it: an MHA page is stored as head groups
+(:mod:`hicache.storage.objects`) that every TP size reads alike, and an MLA page is the same on every rank.
 
 Examples
 --------
@@ -41,10 +42,13 @@ class Namespace:
     model_id : the model (name and revision, or a weights hash): different weights, different KV.
     dtype : element type of the KV (e.g. ``"bfloat16"``).
     num_layers, head_num, head_dim, page_size : pool geometry (``head_num`` per TP shard).
-    layout : host layout, which decides the byte order of a page object.
-    mla : MLA pool: pages are the same on every TP rank, so ``tp_rank`` / ``tp_size`` are left out of
-        the digest and only rank 0 writes (:attr:`writer`).
-    tp_rank, tp_size : the shard of an MHA pool sharded over heads.
+    layout : host layout; it decides the byte order of an MLA page object (MHA objects are head-major
+        whatever the layout, so it is left out of their digest).
+    mla : MLA pool: pages are the same on every TP rank and only rank 0 writes (:attr:`writer`).
+    tp_rank, tp_size : the shard of an MHA pool sharded over heads (``head_num`` each, the model's
+        ``head_num * tp_size`` in all). Never in the digest.
+    head_group : K/V heads per stored MHA object (:mod:`hicache.storage.objects`); deployments share
+        pages only with the same group size. Ignored for MLA.
     salt : optional; deployments with different salts never share pages (e.g. tenants).
     """
 
@@ -59,15 +63,24 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     salt: str | None = None
+    head_group: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size={self.tp_size}, got {self.tp_rank}")
+        if isinstance(self.head_group, bool) or not isinstance(self.head_group, int) or self.head_group < 1:
+            raise ValueError(f"head_group: expected a positive int, got {self.head_group!r}")
+        if not self.mla and self.head_num % self.head_group:
+            raise ValueError(
+                f"head_group: {self.head_group} heads per stored object do not divide this rank's {self.head_num} "
+                f"K/V heads (the model's {self.head_num * self.tp_size} over TP={self.tp_size}); choose a divisor "
+                f"of {self.head_num}"
+            )
 
     @classmethod
     def for_pool(cls, host_pool: object, model_id: str, **kwargs: object) -> Namespace:
         """The namespace of a :class:`hicache.pools.HostKVPool`; ``kwargs`` give ``tp_rank``, ``tp_size``,
-        ``salt``."""
+        ``salt``, ``head_group``."""
         p = host_pool
         return cls(
             model_id=model_id,
@@ -87,13 +100,25 @@ class Namespace:
         return not self.mla or self.tp_rank == 0
 
     @property
+    def kv_heads(self) -> int:
+        """The model's K/V heads (over all TP ranks); 1 for MLA."""
+        return self.head_num * (1 if self.mla else self.tp_size)
+
+    @property
     def digest(self) -> bytes:
-        """SHA-256 of the canonical JSON of the fields (TP fields dropped for MLA); 32 bytes."""
+        """SHA-256 of the canonical JSON of what the stored bytes depend on; 32 bytes. Never the TP shard:
+        MLA pages are the same on every rank, MHA objects are head groups of the model's ``kv_heads``
+        (in place of the per-rank ``head_num``), head-major whatever the host ``layout``."""
         fields = asdict(self)
+        for name in ("tp_rank", "tp_size"):
+            fields.pop(name)
         if self.mla:
-            fields.pop("tp_rank")
-            fields.pop("tp_size")
-        blob = json.dumps({"hicache-namespace": 1, **fields}, sort_keys=True, separators=(",", ":"))
+            fields.pop("head_group")
+        else:
+            fields.pop("layout")
+            fields["head_num"] = self.kv_heads
+            fields["objects"] = "head-groups"
+        blob = json.dumps({"hicache-namespace": 2, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).digest()
 
 

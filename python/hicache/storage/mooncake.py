@@ -1,9 +1,10 @@
 """The ``mooncake`` storage backend: page objects in a Mooncake Store (the distributed KV store of SGLang
 deployments), through its Python client ``mooncake.store.MooncakeDistributedStore``.
 
-One Mooncake object per page, under the page key, holding the page's bytes in the order of its memory
-ranges in the host pool (the same bytes as every other backend's page object, ``host_pool.page_bytes``
-long). :meth:`~MooncakeBackend.attach` registers the host pool's buffer with the client, and the batch
+One Mooncake object per stored object (a page; through the storage tier, a page's head group:
+:mod:`hicache.storage.objects`), under its key, holding its bytes in the order of its memory ranges (the
+same bytes as every other backend's object, ``page_bytes`` long). :meth:`~MooncakeBackend.attach`
+registers the host pool's buffer (and the tier's staging areas) with the client, and the batch
 methods move pages straight between that buffer and the store: ``batch_put_from`` / ``batch_get_into``
 when every page of the batch is one range (``page_first`` and friends with MLA), and
 ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` otherwise (MHA: one range per K/V;
@@ -191,7 +192,7 @@ class MooncakeBackend(StorageBackend):
             max_abandoned=self.max_abandoned,
             count=self._count,
         )
-        self._registered: tuple[int, int] | None = None  # (address, bytes) of the attached pool's buffer
+        self._registered: tuple[tuple[int, int], ...] = ()  # (address, bytes) of the attached buffers
         self._counts.update(skipped=0, not_found=0, errors=0, timeouts=0, outages=0, late_gets=0, late_sets=0)
 
         # Fail fast (and clearly) when nothing listens: setup() itself retries for about 90 s.
@@ -220,30 +221,35 @@ class MooncakeBackend(StorageBackend):
 
     # -- attachment ----------------------------------------------------------------------------------
     def attach(self, host_pool: Any) -> MooncakeBackend:
-        """Bind to ``host_pool`` and register its buffer with the client for zero-copy transfers (the
-        previous pool's buffer, if any, is unregistered). ``RuntimeError`` when the client refuses."""
+        """Bind to ``host_pool`` (a host pool, or the storage tier's stored objects) and register its
+        ``buffer`` and any ``extra_buffers`` (staging areas) with the client for zero-copy transfers (the
+        previous ones, if any, are unregistered). ``RuntimeError`` when the client refuses."""
         super().attach(host_pool)
-        buf = host_pool.buffer
-        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
-            raise TypeError("attach: host_pool.buffer must be a contiguous CPU tensor")
-        region = (buf.data_ptr(), buf.numel() * buf.element_size())
-        if region == self._registered:
+        regions = []
+        for buf in (host_pool.buffer, *getattr(host_pool, "extra_buffers", ())):
+            if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+                self.host_pool = None
+                raise TypeError("attach: host_pool.buffer (and extra_buffers) must be contiguous CPU tensors")
+            regions.append((buf.data_ptr(), buf.numel() * buf.element_size()))
+        if tuple(regions) == self._registered:
             return self
         self._unregister()
-        status, rc = self._calls.run(self._store.register_buffer, region, self.setup_timeout_s)
-        if status != "ok" or rc != 0:
-            self.host_pool = None
-            raise RuntimeError(
-                f"attach: mooncake could not register the host pool buffer ({region[1]} bytes at {region[0]:#x}): "
-                f"{'register_buffer returned ' + str(rc) if status == 'ok' else status}"
-            )
-        self._registered = region
+        for region in regions:
+            status, rc = self._calls.run(self._store.register_buffer, region, self.setup_timeout_s)
+            if status != "ok" or rc != 0:
+                self._unregister()
+                self.host_pool = None
+                raise RuntimeError(
+                    f"attach: mooncake could not register the host pool buffer ({region[1]} bytes at "
+                    f"{region[0]:#x}): {'register_buffer returned ' + str(rc) if status == 'ok' else status}"
+                )
+            self._registered += (region,)
         return self
 
     def _unregister(self) -> None:
-        if self._registered is not None:
-            self._calls.run(self._store.unregister_buffer, (self._registered[0],), self.timeout_s)
-            self._registered = None
+        for address, _ in self._registered:
+            self._calls.run(self._store.unregister_buffer, (address,), self.timeout_s)
+        self._registered = ()
 
     def _batch_pages(self, method: str, keys: Sequence[str], host_slots: torch.Tensor) -> list[list[tuple[int, int]]]:
         if self._calls.closed:
@@ -405,9 +411,9 @@ class MooncakeBackend(StorageBackend):
             return
 
         def shut() -> None:
-            if self._registered is not None:
-                store.unregister_buffer(self._registered[0])
-                self._registered = None
+            for address, _ in self._registered:
+                store.unregister_buffer(address)
+            self._registered = ()
             store.close()
 
         status, err = self._calls.run(shut, (), self.setup_timeout_s)

@@ -24,6 +24,7 @@ import torch
 
 from .base import StorageBackend
 from .keys import Namespace, page_keys
+from .objects import StoredObjects
 
 __all__ = ["PREFETCH_POLICIES", "Prefetch", "PrefetchPolicy", "StorageTier"]
 
@@ -105,9 +106,13 @@ class Prefetch:
 class StorageTier:
     """A backend bound to a host pool, its namespace, and the backup and prefetch threads.
 
+    Pages are keyed by :func:`page_keys`; what is stored under them is :attr:`objects`
+    (:class:`~hicache.storage.objects.StoredObjects`: an MHA page is one object per head group of this
+    rank, each under its own key; the backend is attached to it, not to the host pool).
+
     Parameters
     ----------
-    backend : the :class:`StorageBackend` (attached to ``host_pool`` here).
+    backend : the :class:`StorageBackend` (attached to the host pool's stored objects here).
     host_pool : the cache's :class:`~hicache.pools.HostKVPool`.
     namespace : the :class:`Namespace` the page keys are rooted in; decides whether this rank writes
         (:attr:`Namespace.writer`: MLA pages only from rank 0).
@@ -128,13 +133,17 @@ class StorageTier:
     ) -> None:
         if not isinstance(backend, StorageBackend):
             raise TypeError(f"storage: expected a StorageBackend (or a backend name), got {type(backend).__name__}")
-        self.backend = backend.attach(host_pool)
         self.host_pool = host_pool
         self.namespace = namespace
         self.root_digest = namespace.digest.hex()
         self.agree_min = agree_min
         self.policy = policy or PrefetchPolicy()
         self.page_size = host_pool.page_size
+        self.objects = StoredObjects(host_pool, tp_rank=namespace.tp_rank, tp_size=namespace.tp_size,
+                                     head_group=namespace.head_group, max_pages=self.policy.batch_pages)  # fmt: skip
+        # A batch is at most a staging area's pages (staged objects).
+        self._batch = min(self.policy.batch_pages, self.objects.stage_pages or self.policy.batch_pages)
+        self.backend = backend.attach(self.objects)
         self._backups: queue.Queue = queue.Queue()
         self._backup_acks: queue.Queue = queue.Queue()
         self._prefetches: queue.Queue = queue.Queue()
@@ -182,23 +191,36 @@ class StorageTier:
         self._submit(self._backups, "_backup_one", node_id, keys, host_slots)
 
     def _backup_one(self, node_id: int, keys: list[str], slots: torch.Tensor) -> None:
-        ps, batch = self.page_size, self.policy.batch_pages
+        ps, batch, objects = self.page_size, self._batch, self.objects
+        per = objects.objects_per_page
         written = skipped = 0
         error: BaseException | None = None
         t0 = time.perf_counter()
         if self.namespace.writer:
             try:
                 for i in range(0, len(keys), batch):
-                    bk, bs = keys[i : i + batch], slots[i * ps : (i + batch) * ps]
-                    present = self.backend.batch_exists(bk)  # already stored (by us or another instance)
+                    bk, bs = objects.keys(keys[i : i + batch]), slots[i * ps : (i + batch) * ps]
+                    # Pages already stored whole (by us or another instance, of any TP size): skipped.
+                    present = self.backend.batch_exists(bk) // per
                     skipped += present
-                    if present < len(bk):
-                        ok = self.backend.batch_set_from(bk[present:], bs[present * ps :])
-                        written += sum(map(bool, ok))
+                    if present * per < len(bk):
+                        todo = bs[present * ps :]
+                        if self._area_busy("backup", todo):
+                            raise RuntimeError("the backup staging area is still in use by a transfer given up on")
+                        ok = self.backend.batch_set_from(bk[present * per :], objects.gather("backup", todo))
+                        written += sum(all(ok[j : j + per]) for j in range(0, len(ok), per))
             except Exception as exc:  # noqa: BLE001 - a store fault is a failed backup, not a crash
                 self._fault("backup", exc)
                 error = exc
         self._backup_acks.put((node_id, written, skipped, len(keys), time.perf_counter() - t0, error))
+
+    def _area_busy(self, area: str, host_slots: torch.Tensor) -> bool:
+        """Staged objects: whether a transfer the backend gave up on still holds staging area ``area``
+        (the slots of ``host_slots``' pages there); zero copy: False (busy host slots are the cache's
+        business, :meth:`slots_busy`)."""
+        if self.objects.zero_copy:
+            return False
+        return self.slots_busy(self.objects.store_slots(area, host_slots))
 
     def landed_backups(self) -> int:
         """Backups finished on this rank whose acks :meth:`finished_backups` has not taken yet."""
@@ -222,9 +244,10 @@ class StorageTier:
 
     # ------------------------------------------------------------------ prefetches
     def stored_pages(self, keys: list[str]) -> int:
-        """Leading ``keys`` stored (0 when the backend fails: a miss)."""
+        """Leading pages of ``keys`` (page keys) stored whole, every object of this rank's (0 when the
+        backend fails: a miss)."""
         try:
-            return int(self.backend.batch_exists(keys))
+            return int(self.backend.batch_exists(self.objects.keys(keys))) // self.objects.objects_per_page
         except Exception as exc:  # noqa: BLE001
             self._fault("exists", exc)
             return 0
@@ -258,23 +281,28 @@ class StorageTier:
         self._submit(self._prefetches, "_prefetch_one", p)
 
     def _prefetch_one(self, p: Prefetch) -> None:
-        ps, batch = self.page_size, self.policy.batch_pages
+        ps, batch, objects = self.page_size, self._batch, self.objects
+        per = objects.objects_per_page
         t0 = time.perf_counter()
         try:
             for i in range(0, len(p.keys), batch):
                 if p.cancel.is_set():
                     break
-                bk = p.keys[i : i + batch]
+                bk = objects.keys(p.keys[i : i + batch])
+                host = p.host_slots[i * ps : (i + len(bk) // per) * ps]
                 try:
-                    ok = self.backend.batch_get_into(bk, p.host_slots[i * ps : (i + len(bk)) * ps])
+                    if self._area_busy("prefetch", host):
+                        raise RuntimeError("the prefetch staging area is still in use by a transfer given up on")
+                    ok = self.backend.batch_get_into(bk, objects.store_slots("prefetch", host))
                 except Exception as exc:  # noqa: BLE001
                     self._fault("get", exc)
                     ok = [False] * len(bk)
-                good = 0
-                while good < len(bk) and ok[good]:
+                good = 0  # leading pages read whole: a hole ends the prefix
+                while good * per < len(bk) and all(ok[good * per : (good + 1) * per]):
                     good += 1
-                p.landed = i + good  # leading pages only: a hole ends the prefix
-                if good < len(bk):
+                objects.scatter("prefetch", host[: good * ps])
+                p.landed = i + good
+                if good * per < len(bk):
                     break
         finally:
             p.read_s = time.perf_counter() - t0

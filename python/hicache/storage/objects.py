@@ -1,0 +1,218 @@
+"""What the storage tier stores for a host page: :class:`StoredObjects`, the objects of a page and where
+their bytes are.
+
+MLA pool
+    One object per page: the page's bytes in the order of its memory ranges in the host pool (the
+    same on every TP rank; rank 0 writes). The host layout is in the namespace.
+MHA pool
+    One object per *(page, head group)*: a group is ``head_group`` consecutive K/V heads of the model
+    (group ``g`` holds the model's heads ``[g * head_group, (g + 1) * head_group)``, counted over all
+    TP ranks). Its bytes are head-major, ``[K|V, head of the group, token of the page, layer, head_dim]``
+    (the order of the ``page_head`` layout), whatever the host layout and the TP size: a rank stores and
+    reads the groups of its own heads, so deployments of one model with different TP sizes (and host
+    layouts) read each other's pages. ``head_group`` must divide each rank's head count.
+
+How the bytes move
+    Where an object is at most two runs of the host pool's memory (``page_head``; any layout with one
+    head per rank and group), the backend reads and writes the host pages in place (zero copy).
+    Otherwise (``page_first``, ``page_first_direct``, ``layer_first`` with several heads a rank) the
+    tier copies each batch through a *staging area*: a backup gathers the pages' heads into it before
+    the backend writes, a prefetch scatters what the backend read into the host pages after. Each of
+    the tier's two I/O threads has its own area of :attr:`StoredObjects.stage_pages` pages; the areas
+    are :attr:`StoredObjects.extra_buffers` (a backend that registers memory registers them too).
+
+The backend sees this object in place of the host pool (``backend.attach(objects)``): ``page_ranges``
+gives each object's memory, ``page_bytes`` one object's size, ``buffer`` the host pool's buffer.
+Slots passed to the backend are host slots (zero copy) or, in staged mode, *staging slots* numbered
+from ``host_pool.size`` up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["STAGE_BYTES", "StoredObjects", "group_key"]
+
+# Bytes of one staging area (one per I/O thread), at least one page.
+STAGE_BYTES = 64 << 20
+_ALIGN = 4096  # staging areas start page-aligned (direct I/O wants aligned memory)
+AREAS = ("backup", "prefetch")
+
+
+def group_key(page_key: str, group: int) -> str:
+    """The key of head group ``group`` (counted over the model's heads) of the page keyed ``page_key``."""
+    return hashlib.sha256(bytes.fromhex(page_key) + b"heads" + int(group).to_bytes(4, "little")).hexdigest()
+
+
+class StoredObjects:
+    """The stored objects of ``host_pool``'s pages on one TP rank (module docstring).
+
+    Parameters
+    ----------
+    host_pool : the cache's :class:`~hicache.pools.HostKVPool`.
+    tp_rank, tp_size : this rank's shard of the model's K/V heads (``host_pool.head_num`` each).
+    head_group : heads per stored object (MHA); must divide ``host_pool.head_num``. Ignored for MLA.
+    stage_bytes : the most bytes of each staging area (staged mode only; at least one page).
+    max_pages : the most pages a batch moves (the tier's ``batch_pages``): a staging area holds no more.
+
+    Attributes
+    ----------
+    objects_per_page : objects a rank stores per page (its head groups; 1 for MLA).
+    first_group : the model-wide index of this rank's first head group.
+    page_bytes : bytes of one object.
+    zero_copy : whether the backend moves objects straight from and to the host pages.
+    stage_pages : pages per staging area (0 when zero copy).
+    """
+
+    def __init__(
+        self,
+        host_pool: Any,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        head_group: int = 1,
+        stage_bytes: int = STAGE_BYTES,
+        max_pages: int = 128,
+    ) -> None:
+        if isinstance(head_group, bool) or not isinstance(head_group, int) or head_group < 1:
+            raise ValueError(f"head_group: expected a positive int, got {head_group!r}")
+        self.host_pool = host_pool
+        self.page_size = host_pool.page_size
+        self.mla = bool(host_pool.mla)
+        self.buffer = host_pool.buffer
+        self.extra_buffers: tuple[torch.Tensor, ...] = ()
+        self.stage_pages = 0
+        if self.mla:
+            self.head_group = 0
+            self.objects_per_page, self.first_group = 1, 0
+            self.page_bytes = host_pool.page_bytes
+            self.zero_copy = True
+            return
+        heads = host_pool.head_num
+        if heads % head_group:
+            raise ValueError(
+                f"head_group: {head_group} heads per stored object do not divide this rank's {heads} K/V heads "
+                f"(the model's {heads * tp_size} over TP={tp_size}); choose a divisor of {heads}"
+            )
+        self.head_group = head_group
+        self.objects_per_page = heads // head_group
+        self.first_group = tp_rank * self.objects_per_page
+        g = host_pool.geometry
+        self._row_bytes = host_pool.head_dim * host_pool.dtype.itemsize  # one head of one token and layer
+        # Rows (of _row_bytes) of page 0's objects in stored order: [group, K|V, head, token, layer].
+        kv = np.arange(2)[None, :, None, None, None] * g.s_kv
+        head = np.arange(heads).reshape(self.objects_per_page, 1, head_group, 1, 1)
+        head = head * (g.s_chunk if g.num_chunks > 1 else self._row_bytes)
+        n = np.arange(self.page_size)
+        slot = ((n // g.page_size) * g.s_page + (n % g.page_size) * g.s_in_page)[None, None, None, :, None]
+        layer = np.arange(g.num_layers)[None, None, None, None, :] * g.s_layer
+        offsets = (kv + head + slot + layer).reshape(self.objects_per_page, -1)
+        self._page_stride = (self.page_size // g.page_size) * g.s_page
+        self.page_bytes = offsets.shape[1] * self._row_bytes
+        runs = [_runs(o, self._row_bytes) for o in offsets]
+        self.zero_copy = all(len(r) <= 2 for r in runs)
+        if self.zero_copy:
+            self._pattern = runs
+            return
+        rows = offsets.reshape(-1) // self._row_bytes
+        self._rows = torch.from_numpy(rows.astype(np.int64))
+        page_total = self.objects_per_page * self.page_bytes
+        self.stage_pages = max(1, min(int(max_pages), int(stage_bytes) // page_total))
+        area = self.stage_pages * page_total
+        raw = torch.empty(len(AREAS) * area + _ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _ALIGN
+        self._stage = raw[skip : skip + len(AREAS) * area]
+        self.extra_buffers = (self._stage,)
+        self._host_rows = self.buffer.view(-1).view(torch.uint8).view(-1, self._row_bytes)
+        self._stage_rows = self._stage.view(len(AREAS), -1, self._row_bytes)
+
+    # -- keys ----------------------------------------------------------------------------------------
+    def keys(self, page_keys: Sequence[str]) -> list[str]:
+        """The object keys of pages keyed ``page_keys``, page by page (MLA: the page keys)."""
+        if self.mla:
+            return list(page_keys)
+        groups = range(self.first_group, self.first_group + self.objects_per_page)
+        return [group_key(k, g) for k in page_keys for g in groups]
+
+    # -- memory --------------------------------------------------------------------------------------
+    def page_ranges(self, slots: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """Each object's memory as ``(address, nbytes)`` ranges, for the pages of ``slots`` (host slots,
+        or staging slots from :meth:`store_slots`), page by page, ``objects_per_page`` each."""
+        if self.mla:
+            return self.host_pool.page_ranges(slots)
+        size, ps = self.host_pool.size, self.page_size
+        if not self.zero_copy:  # staging slots (store_slots): one run per object
+            if not len(slots):
+                return []
+            if int(slots.min()) < size:
+                raise ValueError("page_ranges: staged objects are read and written through staging slots")
+            first = (slots.view(-1, ps)[:, 0] - size) // ps
+            if int(first.max()) >= len(AREAS) * self.stage_pages:
+                raise ValueError(f"page_ranges: staging slot(s) past the {len(AREAS)} staging areas")
+            area_pages = self.stage_pages
+            base = self._stage.data_ptr()
+            out = []
+            for q in first.tolist():
+                a, i = divmod(q, area_pages)
+                start = base + (a * area_pages + i) * self.objects_per_page * self.page_bytes
+                out += [[(start + k * self.page_bytes, self.page_bytes)] for k in range(self.objects_per_page)]
+            return out
+        base = self.buffer.data_ptr()
+        out = []
+        for p in self._pages(slots).tolist():
+            start = base + p * self._page_stride
+            out += [[(start + off, n) for off, n in obj] for obj in self._pattern]
+        return out
+
+    def store_slots(self, area: str, host_slots: torch.Tensor) -> torch.Tensor:
+        """The slots the backend moves the objects of ``host_slots``' pages through: ``host_slots`` when
+        zero copy, else the first pages of staging area ``area`` (at most :attr:`stage_pages` pages)."""
+        if self.zero_copy:
+            return host_slots
+        pages = len(host_slots) // self.page_size
+        if pages > self.stage_pages:
+            raise ValueError(f"host_slots: {pages} pages, more than the staging area's {self.stage_pages}")
+        first = self.host_pool.size + AREAS.index(area) * self.stage_pages * self.page_size
+        return torch.arange(first, first + len(host_slots), dtype=torch.int64)
+
+    def _pages(self, host_slots: torch.Tensor) -> torch.Tensor:
+        """The pool pages of ``host_slots`` (``ValueError`` / ``TypeError`` from the pool's check when they
+        are not whole aligned pages inside it)."""
+        self.host_pool.page_ranges(host_slots)
+        return host_slots.view(-1, self.page_size)[:, 0].to(torch.int64) // self.page_size
+
+    def _row_index(self, host_slots: torch.Tensor) -> torch.Tensor:
+        page_rows = self._pages(host_slots) * (self._page_stride // self._row_bytes)
+        return (page_rows[:, None] + self._rows[None, :]).reshape(-1)
+
+    def gather(self, area: str, host_slots: torch.Tensor) -> torch.Tensor:
+        """Before a write: copy the pages of ``host_slots`` into staging area ``area`` in stored order;
+        returns the slots to hand the backend (:meth:`store_slots`). Zero copy: ``host_slots``."""
+        slots = self.store_slots(area, host_slots)
+        if not self.zero_copy and len(host_slots):
+            idx = self._row_index(host_slots)
+            torch.index_select(self._host_rows, 0, idx, out=self._stage_rows[AREAS.index(area)][: len(idx)])
+        return slots
+
+    def scatter(self, area: str, host_slots: torch.Tensor) -> None:
+        """After a read: copy what staging area ``area`` holds into the pages of ``host_slots`` (those
+        the backend read; their objects in the area's first pages). Zero copy: nothing to do."""
+        if not self.zero_copy and len(host_slots):
+            idx = self._row_index(host_slots)
+            self._host_rows.index_copy_(0, idx, self._stage_rows[AREAS.index(area)][: len(idx)])
+
+
+def _runs(offsets: np.ndarray, nbytes: int) -> list[tuple[int, int]]:
+    """``(start, length)`` runs of ``nbytes``-long pieces at ``offsets``, in order, adjacent ones merged."""
+    out: list[list[int]] = []
+    for start in offsets.tolist():
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1][1] += nbytes
+        else:
+            out.append([start, nbytes])
+    return [(a, b) for a, b in out]
