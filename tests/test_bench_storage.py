@@ -31,3 +31,44 @@ def test_bench_storage_refuses_bad_counts(capsys):
     with pytest.raises(SystemExit):
         main(["--pages", "0"])
     assert "--pages: expected >= 1" in capsys.readouterr().err
+
+
+def test_bench_storage_direct_io_writes_json(tmp_path, capsys):
+    """``--direct-io``: one preset whose pages are whole blocks (Llama-3-8B, 128 KiB a token) and one whose
+    pages are not (DeepSeek-V3, 70,272 bytes): the schema, the counts and the page-cache fields, not the
+    speed."""
+    import pytest
+
+    from hicache.storage.file import probe_direct_io
+
+    reason = probe_direct_io(tmp_path)
+    if reason is not None:
+        pytest.skip(f"{tmp_path} does not take O_DIRECT: {reason}")
+    out = tmp_path / "direct.json"
+    args = ["--direct-io", "--presets", "llama3-8b", "deepseek-v3", "--page-sizes", "1", "--pages", "2",
+            "--repeats", "1", "--prefetch-hits", "--dir", str(tmp_path), "--json", str(out)]  # fmt: skip
+    assert main(args) == 0  # fewer than 128 pages: no verdict
+    data = json.loads(out.read_text())
+    assert data["direct_io"] is True and data["prefetch"] == []
+    aligned, unaligned = data["results"]
+    for r in data["results"]:
+        assert r["direct_io"] is True and r["bytes"] == 2 * r["page_bytes"]
+        assert r["get_over_seq_read"] > 0 and r["seq_read_gbps"] > 0
+        assert isinstance(r["store_cached_bytes"], int) and isinstance(r["seq_cached_bytes"], int)
+        assert r["page_cache_growth_bytes"] is None or isinstance(r["page_cache_growth_bytes"], int)
+    # one set and one get of 2 pages each
+    assert (aligned["direct_pages"], aligned["direct_fallbacks"]) == (4, 0)
+    assert (unaligned["direct_pages"], unaligned["direct_fallbacks"]) == (0, 4)
+    target = data["target"]
+    assert target["get_over_seq_read_min"] == 0.8 and target["status"] is None
+    assert target["store_cached_share_max"] == 0.01 and target["page_cache_status"] is None
+    printed = capsys.readouterr().out
+    assert "O_DIRECT: 4 pages direct, 0 buffered" in printed and "O_DIRECT: 0 pages direct, 4 buffered" in printed
+
+
+def test_bench_storage_direct_io_needs_the_file_backend(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--direct-io", "--backend", "mooncake"])
+    assert "--direct-io: only the file backend" in capsys.readouterr().err

@@ -31,6 +31,15 @@ def read(ranges: list[tuple[int, int]]) -> bytes:
     return b"".join(ctypes.string_at(a, n) for a, n in ranges)
 
 
+def write(ranges: list[tuple[int, int]], data: bytes) -> None:
+    """``data`` into ``ranges``, in order."""
+    pos = 0
+    for a, n in ranges:
+        ctypes.memmove(a, data[pos : pos + n], n)
+        pos += n
+    assert pos == len(data)
+
+
 def slots_of(pages: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 
@@ -61,7 +70,7 @@ def test_objects_hold_the_heads_head_major(layout, heads, group):
         # What a read leaves in the prefetch area goes into other pages: exactly their objects' bytes.
         area = objects.store_slots("prefetch", slots)
         for r, data in zip(objects.page_ranges(area), want, strict=True):
-            ctypes.memmove(r[0][0], data, len(data))
+            write(r, data)
         before = host.buffer.clone()
         dst = slots_of([1, 7, 2])
         objects.scatter("prefetch", dst)
@@ -121,3 +130,54 @@ def test_bad_slots_and_staging_misuse():
         zero.page_ranges(torch.arange(zero.host_pool.size, zero.host_pool.size + PAGE))
     with pytest.raises(TypeError, match="slots"):
         zero.page_ranges(torch.zeros(PAGE, dtype=torch.float32))
+
+
+def test_writers_of_two_tp_sizes_store_the_same_objects_at_once(tmp_path):
+    """A TP=1 writer (both heads, page_first: staged) and rank 1 of a TP=2 deployment (its head,
+    page_head: zero copy) write the same pages' head-1 objects into one directory at the same time,
+    round after round: every object is whole and holds the model's head 1, whichever write won."""
+    import threading
+
+    from hicache.storage import FileBackend
+
+    heads = 2
+    tp1 = pool("page_first", heads, seed=1)
+    tp2 = pool("page_head", 1, seed=2)
+    pages = [0, 2, 5]
+    slots = slots_of(pages)
+    # Rank 1's pool holds the same KV as TP=1's head 1: copy it over, head-major through the reference.
+    want = object_bytes(tp1, slots)[1::heads]  # head 1 of each page
+    one = StoredObjects(tp1, head_group=1)
+    two = StoredObjects(tp2, tp_rank=1, tp_size=2, head_group=1)
+    for r, data in zip(two.page_ranges(slots), want, strict=True):
+        write(r, data)
+    assert object_bytes(tp2, slots) == want
+    keys = page_keys(list(range(3 * PAGE)), PAGE)
+    assert one.keys(keys)[1::heads] == two.keys(keys)
+    a, b = FileBackend(tmp_path).attach(one), FileBackend(tmp_path).attach(two)
+    try:
+        for _ in range(5):
+            for k in two.keys(keys):
+                (tmp_path / k[:2] / f"{k}.kv").unlink(missing_ok=True)
+            start = threading.Barrier(2)
+            results: dict = {}
+
+            def store(name, backend, objects, ks, start=start, results=results):
+                start.wait()
+                results[name] = backend.batch_set_from(ks, objects.gather("backup", slots))
+
+            threads = [threading.Thread(target=store, args=("a", a, one, one.keys(keys))),
+                       threading.Thread(target=store, args=("b", b, two, two.keys(keys)))]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert results == {"a": [True] * 6, "b": [True] * 3}
+            reader = pool("page_head", 1, seed=3)
+            objects = StoredObjects(reader, tp_rank=1, tp_size=2)
+            with FileBackend(tmp_path) as c:
+                assert c.attach(objects).batch_get_into(two.keys(keys), slots) == [True] * 3
+            assert object_bytes(reader, slots) == want
+    finally:
+        a.close()
+        b.close()

@@ -11,8 +11,12 @@ instead pins exactly the pool's bytes, rounded up only to the OS page:
 - seen as a tensor of the pool's shape and dtype without a copy.
 
 Lifetime: the tensor (and every view of it) keeps the memory alive; when the last one goes the
-memory is unregistered, then unmapped. Pageable buffers are plain ``torch.empty``, whose CPU allocator
-takes exactly the bytes asked for.
+memory is unregistered, then unmapped. Pageable buffers are the same kind of anonymous mapping, not
+registered: page-aligned too (``torch.empty`` aligns to 64 bytes only), so that the storage tier's
+``O_DIRECT`` reads and writes (:mod:`hicache.storage.file`, ``direct_io=True``) can move pages straight
+into and out of the pool. Their RAM is counted as the pool's bytes (:func:`allocated_bytes`): pageable
+memory is committed page by page as it is touched, and the rounding of the last page is under one OS
+page.
 
 Units: bytes throughout.
 """
@@ -75,19 +79,19 @@ def _unregister(cudart: Any, ptr: int) -> None:
 
 
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``, pinned when ``pin``.
+    """A contiguous CPU tensor of ``shape`` and ``dtype`` (zero-filled), page-aligned, pinned when ``pin``.
 
-    Pinned: ``page_rounded(nbytes)`` bytes, page-aligned, registered with the CUDA runtime; the caller
-    checks that CUDA is there. ``RuntimeError`` naming ``cudaHostRegister``, the size and the CUDA error
+    An anonymous mapping of ``page_rounded(nbytes)`` bytes. Pinned: registered with the CUDA runtime;
+    the caller checks that CUDA is there. ``RuntimeError`` naming ``cudaHostRegister``, the size and the CUDA error
     when the registration fails (then nothing stays mapped or registered).
     """
-    if not pin:
-        return torch.empty(shape, dtype=dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     size = page_rounded(max(nbytes, 1))
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # The array is the memory's one owner that tensors hold and a finalizer can watch; it holds the mapping.
     raw = np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+    if not pin:
+        return torch.from_numpy(raw).view(dtype).view(shape)
     ptr = raw.ctypes.data
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS)

@@ -126,7 +126,9 @@ class HostKVPool:
     Attributes
     ----------
     buffer : the pool, contiguous, of :func:`hicache_kernels.layouts.host_shape` for ``layout``:
-        pass it as ``host`` to :mod:`hicache_kernels.ops` with ``layout`` and ``page_size``.
+        pass it as ``host`` to :mod:`hicache_kernels.ops` with ``layout`` and ``page_size``. It starts on
+        an OS page (pinned or not), so pages of whole 4096-byte blocks can move by ``O_DIRECT``
+        (:mod:`hicache.storage.file`).
     layout, size, page_size, num_layers, head_num, head_dim, dtype, mla, item_bytes : as above.
     pinned : whether ``buffer`` is pinned.
     allocated_bytes : host RAM ``buffer`` takes: ``total_bytes`` rounded up to OS pages when pinned,

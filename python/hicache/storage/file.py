@@ -1,20 +1,51 @@
 """The ``file`` storage backend: one file per page object in a directory (local disk or shared FS).
 
-Object format: a fixed 92-byte header then the page's bytes. The header (little-endian) is the magic
-``b"HICKVPG2"``, the page key (32 bytes), the namespace digest (32 bytes, zeros when the backend has
-none), the payload length (uint64), the payload's checksum (uint64, :mod:`.checksum`) and the CRC-32
-of the header fields before it (uint32). Every read checks all of them: a torn, truncated or corrupt
-object (or one in another format) is a miss and is removed (unless another process has replaced it
-meanwhile); an object under another namespace is a miss and left alone.
+Object format (version 3): a :data:`HEADER_BYTES` (4096-byte) header block, then the page's bytes; the
+file is exactly ``HEADER_BYTES + payload length`` long. The header block holds the header (92 bytes,
+little-endian: the magic ``b"HICKVPG3"``, the page key (32 bytes), the namespace digest (32 bytes, zeros
+when the backend has none), the payload length (uint64), the payload's checksum (uint64,
+:mod:`.checksum`) and the CRC-32 of the header fields before it (uint32)), then zeros. Every read checks
+all of them, the zeros included: a torn, truncated or corrupt object (or one in another format) is a
+miss and is removed (unless another process has replaced it meanwhile); an object under another
+namespace is a miss and left alone. The payload starts on a block boundary so that one format serves
+both I/O modes: objects written with ``direct_io`` are read by a backend without it and the other way
+round. Objects of the previous format (magic ``b"HICKVPG2"``, a 92-byte header) are misses, removed
+and counted as corrupt.
 
 Writes go to a temporary name in the same directory and are renamed into place (atomic on POSIX), so a
 reader sees a whole object or none. Reads and writes of a batch run in a thread pool: ``os.preadv`` /
 ``os.pwritev`` move the bytes straight between the file and the host pool's pages (one iovec per
-memory range of the page, no staging copy). A read checks the header first, then reads the payload in
-chunks of :data:`CHUNK_BYTES` and checksums each chunk right after it lands, while it is still in the
-CPU cache (both release the GIL). A read lands in the page before its checksum is known: on a mismatch
-the page holds garbage and the batch reports ``False`` for it, so the caller frees the slots instead
-of using them.
+memory range of the page, no staging copy). A buffered read checks the header first, then reads the
+payload in chunks of :data:`CHUNK_BYTES` and checksums each chunk right after it lands, while it is
+still in the CPU cache (both release the GIL). A read lands in the page before its checksum is known:
+on a mismatch the page holds garbage and the batch reports ``False`` for it, so the caller frees the
+slots instead of using them.
+
+Direct I/O (``direct_io=True``, or ``"direct_io": true`` in the config): the batch methods open objects
+with ``O_DIRECT``, so pages move between the disk and the host pool by DMA, bypassing the page cache (a
+host pool of tens of GiB is not held a second time in the page cache, and a read measures the disk).
+``O_DIRECT`` wants file offsets, lengths and memory addresses aligned to the device's logical block
+size, which cannot be asked of a file (``BLKSSZGET`` needs the block device; ``statx``'s direct-I/O
+alignment needs Linux 6.1 and is not in Python's ``os``); the backend aligns to :data:`DIRECT_ALIGN`
+(4096 bytes): the largest logical block size in common use (512- and 4096-byte sectors) and the OS page
+size, so it fits both. A page goes direct when each of its memory ranges starts at and spans a multiple
+of 4096 bytes: the host pool's buffer is page-aligned (:mod:`hicache.host_memory`) and pages of
+realistic geometry are whole blocks (Llama-3-8B bf16, 16 tokens: 1 MiB per K and V; DeepSeek-V3 MLA,
+64 tokens: 4,497,408 bytes), but not all (DeepSeek-V3, 16 tokens: 1,124,352 bytes; small test pools).
+A page that is not goes through the buffered path instead (a plain descriptor; a fallback read then
+drops the object from the page cache with ``POSIX_FADV_DONTNEED``, a fallback write's pages stay until
+the kernel writes them back), and :meth:`FileBackend.stats` counts such pages in ``direct_fallbacks``
+(next to ``direct_pages``). A direct read is one ``preadv`` of the header block and the payload, then the
+header check and the payload's checksum (the bytes came by DMA, not through the CPU cache, so there is
+nothing to gain from chunks, and one large request keeps the device busy). The byte-level :meth:`get` /
+:meth:`set` stay buffered.
+
+Construction probes the directory: it writes and reads one 4096-byte block of a probe file with
+``O_DIRECT``. A filesystem that refuses (tmpfs before Linux 6.6, some FUSE and network filesystems;
+tmpfs accepts ``O_DIRECT`` since 6.6, though its files are RAM anyway) makes ``direct_io=True`` raise a
+``ValueError`` naming the directory; ``direct_io="auto"`` falls back to buffered I/O there instead, and
+``stats()["direct_io"]`` (0 or 1) and ``stats()["direct_io_refused"]`` (why, or empty) say which mode
+is in use.
 
 Capacity: with ``capacity_bytes`` (header included) a write evicts least-recently-used objects (an
 index ordered by last write or hit) until the new one fits, and a write larger than the capacity is
@@ -28,6 +59,7 @@ keeps the inode). Hits also bump the file's mtime, which orders the startup scan
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -44,15 +76,19 @@ from .base import StorageBackend, page_views
 from .checksum import PageChecksum, checksum
 from .keys import DIGEST_BYTES, Namespace
 
-__all__ = ["FileBackend"]
+__all__ = ["DIRECT_ALIGN", "FileBackend", "probe_direct_io"]
 
-MAGIC = b"HICKVPG2"
+MAGIC = b"HICKVPG3"
 _HEAD = struct.Struct("<8s32s32sQQ")  # magic, key, namespace, payload length, payload checksum
 _HEADER = struct.Struct("<8s32s32sQQI")  # ... + crc32 of the fields above
 CHUNK_BYTES = 256 << 10  # read and checksummed while in the CPU cache
-HEADER_BYTES = _HEADER.size
+DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and addresses (module docstring)
+HEADER_BYTES = DIRECT_ALIGN  # the header block: the header, then zeros; the payload starts after it
+_PAD = bytes(HEADER_BYTES - _HEADER.size)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 _SUFFIX = ".kv"
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
@@ -98,6 +134,49 @@ def _chunks(views: Sequence[memoryview]) -> list[memoryview]:
     return out
 
 
+def _direct_aligned(ranges: Sequence[tuple[int, int]]) -> bool:
+    """Whether every ``(address, nbytes)`` range starts at and spans a multiple of :data:`DIRECT_ALIGN`."""
+    return all(addr % DIRECT_ALIGN == 0 and n % DIRECT_ALIGN == 0 for addr, n in ranges)
+
+
+def probe_direct_io(directory: str | os.PathLike[str]) -> str | None:
+    """None when ``directory`` (which must exist) takes ``O_DIRECT`` transfers of :data:`DIRECT_ALIGN`
+    bytes, else why not (a short sentence). It writes, reads and removes a probe file there."""
+    if not _O_DIRECT:
+        return "this platform has no O_DIRECT"
+    probe = Path(directory) / f".direct-io-probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    block = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned memory
+    try:
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+        except OSError as e:
+            return f"opening a file with O_DIRECT failed: {e.strerror or e} (errno {e.errno})"
+        try:
+            if os.pwritev(fd, [block], 0) != DIRECT_ALIGN or os.preadv(fd, [block], 0) != DIRECT_ALIGN:
+                return f"a {DIRECT_ALIGN}-byte O_DIRECT transfer was short"
+        except OSError as e:
+            return f"a {DIRECT_ALIGN}-byte O_DIRECT transfer failed: {e.strerror or e} (errno {e.errno})"
+        finally:
+            os.close(fd)
+        return None
+    finally:
+        block.close()
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+
+
+def _check_direct_io(value: object) -> bool | str:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if value == "auto":
+            return value
+        raise ValueError(f"direct_io: expected True, False or 'auto', got {value!r}")
+    raise TypeError(f"direct_io: expected a bool or 'auto', got {type(value).__name__} {value!r}")
+
+
 class FileBackend(StorageBackend):
     """Page objects as files under ``path``.
 
@@ -110,6 +189,10 @@ class FileBackend(StorageBackend):
         header and required on every read; None: zeros, and reads accept only zeros.
     num_threads : threads that read and write the pages of one batch in parallel (default 4).
     fsync : fsync each object before renaming it (durable across a crash; slower). Default False.
+    direct_io : ``True``: the batch methods read and write with ``O_DIRECT``, bypassing the page cache
+        (module docstring); ``ValueError`` naming the directory when its filesystem refuses ``O_DIRECT``.
+        ``"auto"``: ``O_DIRECT`` where the directory takes it, buffered I/O where not (``stats()`` says
+        which). ``False`` (default): buffered I/O through the page cache.
     """
 
     def __init__(
@@ -120,12 +203,14 @@ class FileBackend(StorageBackend):
         namespace: Namespace | bytes | None = None,
         num_threads: int = 4,
         fsync: bool = False,
+        direct_io: bool | str = False,
     ) -> None:
         super().__init__()
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or capacity_bytes < 0):
             raise ValueError(f"capacity_bytes: expected None or a non-negative int, got {capacity_bytes!r}")
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads: expected a positive int, got {num_threads!r}")
+        mode = _check_direct_io(direct_io)
         ns = namespace.digest if isinstance(namespace, Namespace) else namespace
         if ns is None:
             ns = bytes(DIGEST_BYTES)
@@ -133,6 +218,16 @@ class FileBackend(StorageBackend):
             raise ValueError(f"namespace: expected a Namespace or a {DIGEST_BYTES}-byte digest")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        refused = probe_direct_io(self.path) if mode else None
+        if refused and mode is True:
+            raise ValueError(
+                f"direct_io: the directory {str(self.path)!r} does not take O_DIRECT I/O ({refused}); put the "
+                f"store on a filesystem that does (e.g. ext4 or xfs on a local disk), or pass direct_io='auto' "
+                f"to fall back to buffered I/O there (stats()['direct_io'] then says 0), or direct_io=False"
+            )
+        #: Whether the batch methods use ``O_DIRECT``; ``direct_io_refused``: why not, when "auto" fell back.
+        self.direct_io = bool(mode) and not refused
+        self.direct_io_refused = refused or ""
         self.capacity_bytes = None if capacity_bytes is None else int(capacity_bytes)
         self.namespace_digest = bytes(ns)
         self.fsync = bool(fsync)
@@ -140,7 +235,8 @@ class FileBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> object bytes, least recently used first
         self._writing: set[str] = set()  # keys being written by this process: never evicted
         self._used = 0
-        self._counts.update(evictions=0, corrupt=0, foreign=0)
+        self._counts.update(evictions=0, corrupt=0, foreign=0, direct_pages=0, direct_fallbacks=0)
+        self._local = threading.local()  # each thread's aligned header block (direct I/O)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-file")
         self.num_threads = num_threads
         self._closed = False
@@ -211,7 +307,19 @@ class FileBackend(StorageBackend):
             return True
 
     # -- one object --------------------------------------------------------------------------------
-    def _write(self, key: str, views: list[memoryview]) -> bool:
+    def _block(self) -> memoryview:
+        """This thread's :data:`HEADER_BYTES` of page-aligned memory: the header block of a direct transfer."""
+        block = getattr(self._local, "block", None)
+        if block is None:
+            block = self._local.block = memoryview(mmap.mmap(-1, HEADER_BYTES))
+        return block
+
+    def _header(self, key: str, nbytes: int, crc: int) -> bytes:
+        """The header block of an object: the header fields, their CRC-32, then zeros."""
+        head = _HEAD.pack(MAGIC, bytes.fromhex(key), self.namespace_digest, nbytes, crc)
+        return head + struct.pack("<I", zlib.crc32(head)) + _PAD
+
+    def _write(self, key: str, views: list[memoryview], direct: bool = False) -> bool:
         path = self._file(key)
         if path.exists():  # content-addressed: the same key is the same bytes
             self._touch(key, HEADER_BYTES + sum(len(v) for v in views), path)
@@ -222,12 +330,18 @@ class FileBackend(StorageBackend):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         ok = False
         try:
-            head = _HEAD.pack(MAGIC, bytes.fromhex(key), self.namespace_digest, nbytes, checksum(*views))
-            header = head + struct.pack("<I", zlib.crc32(head))
+            header = self._header(key, nbytes, checksum(*views))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            if direct:  # every view is whole aligned blocks; the header goes from aligned memory too
+                block = self._block()
+                block[:] = header
+                first, flags = block, flags | _O_DIRECT
+            else:
+                first = memoryview(header)
             path.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, flags, 0o644)
             try:
-                _pwritev_all(fd, [memoryview(header), *views], 0)
+                _pwritev_all(fd, [first, *views], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -246,11 +360,14 @@ class FileBackend(StorageBackend):
         return ok
 
     def _check_header(self, key: str, header: bytes | memoryview, nbytes: int) -> tuple[str, int]:
-        """``("ok", payload checksum)``, ``("foreign", 0)`` (another namespace) or ``("corrupt", 0)``."""
+        """``("ok", payload checksum)``, ``("foreign", 0)`` (another namespace) or ``("corrupt", 0)`` for a
+        header block."""
         if len(header) != HEADER_BYTES:
             return "corrupt", 0
-        magic, k, ns, length, crc, head_crc = _HEADER.unpack(header)
-        if magic != MAGIC or head_crc != zlib.crc32(bytes(header[: _HEAD.size])) or k != bytes.fromhex(key):
+        magic, k, ns, length, crc, head_crc = _HEADER.unpack(header[: _HEADER.size])
+        if magic != MAGIC or head_crc != zlib.crc32(header[: _HEAD.size]) or k != bytes.fromhex(key):
+            return "corrupt", 0
+        if bytes(header[_HEADER.size :]) != _PAD:
             return "corrupt", 0
         if ns != self.namespace_digest:
             return "foreign", 0
@@ -273,10 +390,10 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._forget(key)
 
-    def _read_into(self, key: str, views: list[memoryview], nbytes: int) -> bool:
+    def _read_into(self, key: str, views: list[memoryview], nbytes: int, direct: bool = False) -> bool:
         path = self._file(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
         except FileNotFoundError:
             self._miss(key)
             return False
@@ -284,27 +401,25 @@ class FileBackend(StorageBackend):
             return False
         try:
             st = os.fstat(fd)
-            header = bytearray(HEADER_BYTES)
             if st.st_size != HEADER_BYTES + nbytes:
                 verdict, crc = "corrupt", 0  # truncated or extended
+            elif direct:
+                # One request for the header block and the payload (all whole aligned blocks), then the checks.
+                block = self._block()
+                if _preadv_all(fd, [block, *views], 0) != st.st_size:
+                    verdict, crc = "corrupt", 0
+                else:
+                    verdict, crc = self._check_header(key, block, nbytes)
+                    if verdict == "ok" and checksum(*views) != crc:
+                        verdict = "corrupt"
             else:
+                header = bytearray(HEADER_BYTES)
                 verdict, crc = self._check_header(key, memoryview(header)[: _preadv_all(fd, [memoryview(header)], 0)],
                                                   nbytes)  # fmt: skip
-            if verdict == "ok":
-                if _checksum.pread_checksum is not None and not any(len(v) % 8 for v in views):
-                    # One call for the whole page: read and checksummed chunk by chunk, no GIL.
-                    got, total = _checksum.pread_checksum(fd, HEADER_BYTES, views, 0, 0, CHUNK_BYTES)
-                    ok = got == nbytes and _checksum.finish(total, nbytes) == crc
-                else:
-                    ok, offset, sums = True, HEADER_BYTES, PageChecksum()
-                    for chunk in _chunks(views):  # checksummed while still in the CPU cache
-                        if _preadv_all(fd, [chunk], offset) != len(chunk):
-                            ok = False
-                            break
-                        sums.update(chunk)
-                        offset += len(chunk)
-                    ok = ok and sums.value() == crc
-                verdict = "ok" if ok else "corrupt"
+                if verdict == "ok":
+                    verdict = "ok" if self._read_payload(fd, views, nbytes, crc) else "corrupt"
+                if self.direct_io and _DONTNEED is not None:  # a fallback page: keep the page cache clean
+                    os.posix_fadvise(fd, 0, 0, _DONTNEED)
         except OSError:
             return False
         finally:
@@ -317,6 +432,21 @@ class FileBackend(StorageBackend):
         else:
             self._drop(key, path, st.st_ino)
         return False
+
+    @staticmethod
+    def _read_payload(fd: int, views: list[memoryview], nbytes: int, crc: int) -> bool:
+        """Buffered: read the payload into ``views`` chunk by chunk, each checksummed as it lands."""
+        if _checksum.pread_checksum is not None and not any(len(v) % 8 for v in views):
+            # One call for the whole page: read and checksummed chunk by chunk, no GIL.
+            got, total = _checksum.pread_checksum(fd, HEADER_BYTES, views, 0, 0, CHUNK_BYTES)
+            return got == nbytes and _checksum.finish(total, nbytes) == crc
+        offset, sums = HEADER_BYTES, PageChecksum()
+        for chunk in _chunks(views):  # checksummed while still in the CPU cache
+            if _preadv_all(fd, [chunk], offset) != len(chunk):
+                return False
+            sums.update(chunk)
+            offset += len(chunk)
+        return sums.value() == crc
 
     # -- the three user-level methods --------------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -379,22 +509,39 @@ class FileBackend(StorageBackend):
             out[i::n] = share
         return out
 
+    def _direct(self, pages: list[list[tuple[int, int]]]) -> list[bool]:
+        """Per page, whether it moves with ``O_DIRECT`` (direct I/O on and its ranges aligned); counts both."""
+        if not self.direct_io:
+            return [False] * len(pages)
+        direct = [_direct_aligned(ranges) for ranges in pages]
+        n = sum(direct)
+        self._count(direct_pages=n, direct_fallbacks=len(direct) - n)
+        return direct
+
     def batch_get_into(self, keys: Sequence[str], host_slots: torch.Tensor) -> list[bool]:
         pages = self._pages("batch_get_into", keys, host_slots)
         nbytes = self.host_pool.page_bytes
-        out = self._map(self._read_into, [(k, page_views(r), nbytes) for k, r in zip(keys, pages, strict=True)])
+        items = [(k, page_views(r), nbytes, d) for k, r, d in zip(keys, pages, self._direct(pages), strict=True)]
+        out = self._map(self._read_into, items)
         hits = sum(out)
         self._count(hits=hits, misses=len(out) - hits, bytes_read=hits * nbytes)
         return out
 
     def batch_set_from(self, keys: Sequence[str], host_slots: torch.Tensor) -> list[bool]:
         pages = self._pages("batch_set_from", keys, host_slots)
-        out = self._map(self._write, [(k, page_views(r)) for k, r in zip(keys, pages, strict=True)])
+        items = [(k, page_views(r), d) for k, r, d in zip(keys, pages, self._direct(pages), strict=True)]
+        out = self._map(self._write, items)
         done = sum(out)
         self._count(sets=done, set_failures=len(out) - done, bytes_written=done * self.host_pool.page_bytes)
         return out
 
     def stats(self) -> dict[str, int | float | str]:
+        """The base counters, and ``evictions``, ``corrupt``, ``foreign``; ``used_bytes``, ``num_objects``,
+        ``capacity_bytes`` (-1: unlimited), ``path``; ``direct_io`` (1 when the batch methods use
+        ``O_DIRECT``), ``direct_io_refused`` (why not, when ``"auto"`` fell back; else empty),
+        ``direct_pages`` / ``direct_fallbacks`` (pages of batch calls, read or written, found or not,
+        that moved with ``O_DIRECT`` / went buffered because their memory is not whole
+        :data:`DIRECT_ALIGN`-byte blocks; both 0 without direct I/O)."""
         out = super().stats()
         with self._lock:
             out.update(
@@ -402,6 +549,8 @@ class FileBackend(StorageBackend):
                 num_objects=len(self._index),
                 capacity_bytes=-1 if self.capacity_bytes is None else self.capacity_bytes,
                 path=str(self.path),
+                direct_io=int(self.direct_io),
+                direct_io_refused=self.direct_io_refused,
             )
         return out
 
