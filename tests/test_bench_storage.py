@@ -22,7 +22,23 @@ def test_bench_storage_writes_json(tmp_path, capsys):
     assert [p["hit_pages"] for p in data["prefetch"]] == [1, 2]
     assert all(p["latency_s"] > 0 for p in data["prefetch"])
     assert data["target"]["status"] is None
+    assert data["objects"] == []  # MLA pages are stored as they are
     assert "get/seq" in capsys.readouterr().out
+
+
+def test_bench_storage_reports_the_objects_staging_cost(tmp_path, capsys):
+    """An MHA preset: per host layout, zero copy (page_head) or the staging copy's GB/s (the others)."""
+    out = tmp_path / "storage.json"
+    args = ["--presets", "llama3-8b", "--page-sizes", "1", "--pages", "2", "--repeats", "1", "--prefetch-hits",
+            "--dir", str(tmp_path), "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    objects = {o["layout"]: o for o in json.loads(out.read_text())["objects"]}
+    assert sorted(objects) == ["layer_first", "page_first", "page_first_direct", "page_head"]
+    for layout, o in objects.items():
+        assert o["objects_per_page"] == 8 and o["object_bytes"] == 2 * 32 * 128 * 2  # a head: K and V, 32 layers
+        assert o["zero_copy"] == (layout == "page_head")
+        assert o["zero_copy"] or (o["gather_gbps"] > 0 and o["scatter_gbps"] > 0 and o["pages"] >= 1)
+    assert "staged: gather" in capsys.readouterr().out
 
 
 def test_bench_storage_refuses_bad_counts(capsys):

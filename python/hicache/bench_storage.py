@@ -47,10 +47,13 @@ from typing import Any
 
 import torch
 
+from hicache_kernels.layouts import LAYOUTS
+
 from .pools import DeviceKVPool, HostKVPool
 from .radix_cache import HiRadixCache
 from .storage import FileBackend, StorageBackend, create_backend, page_views
 from .storage.file import DIRECT_ALIGN, _direct_aligned, _preadv_all, _pwritev_all  # the file backend's own
+from .storage.objects import StoredObjects
 from .storage.tier import PrefetchPolicy
 
 # name -> (layers, kv heads, head dim, mla): bf16 pools as the kernel benchmark's presets.
@@ -81,6 +84,31 @@ def _median(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def bench_objects(preset: str, page_size: int, repeats: int) -> list[dict[str, Any]]:
+    """What the storage tier's objects cost per host layout (MHA; TP=1, one head per object): zero copy,
+    or the staging copy of a batch (a staging area's pages) before a backup's write (gather) and after a
+    prefetch's read (scatter), in GB/s of page bytes."""
+    if PRESETS[preset][3]:
+        return []  # MLA: pages are stored as they are
+    out = []
+    for layout in LAYOUTS:
+        probe = StoredObjects(make_pools(preset, page_size, 1, layout), max_pages=128)
+        n = probe.stage_pages or 1
+        host = make_pools(preset, page_size, n, layout)
+        objects = StoredObjects(host, max_pages=128)
+        row: dict[str, Any] = {"preset": preset, "page_size": page_size, "layout": layout,
+                               "zero_copy": objects.zero_copy, "object_bytes": objects.page_bytes,
+                               "objects_per_page": objects.objects_per_page, "pages": n}  # fmt: skip
+        if not objects.zero_copy:
+            slots = torch.arange(n * page_size)
+            nbytes = n * host.page_bytes
+            row["gather_gbps"] = nbytes / _median(lambda o=objects, s=slots: o.gather("backup", s), repeats) / 1e9
+            row["scatter_gbps"] = nbytes / _median(lambda o=objects, s=slots: o.scatter("prefetch", s), repeats) / 1e9
+        out.append(row)
+        del host, objects, probe
+    return out
 
 
 def cached_bytes() -> int | None:
@@ -272,7 +300,7 @@ def bench_prefetch(make_backend, preset: str, page_size: int, hits: list[int]) -
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    rows, prefetch = [], []
+    rows, prefetch, objects = [], [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         workdir = Path(tmp)
 
@@ -302,6 +330,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{_mib(row['seq_cached_bytes'])}, Cached: {_mib(row['page_cache_growth_bytes'])} "
                           f"over the row")  # fmt: skip
                 del host
+                if not args.direct_io:
+                    for o in bench_objects(preset, ps, args.repeats):
+                        objects.append(o)
+                        cost = "zero copy" if o["zero_copy"] else (
+                            f"staged: gather {o['gather_gbps']:6.2f} GB/s, scatter {o['scatter_gbps']:6.2f} GB/s "
+                            f"({o['pages']} pages a batch)")  # fmt: skip
+                        kib = o["object_bytes"] / 2**10
+                        print(f"{'':>12} objects ({o['objects_per_page']} a page, {kib:.0f} KiB), {o['layout']:>17}: "
+                              f"{cost}")  # fmt: skip
         if args.prefetch_hits:
             prefetch = bench_prefetch(make_backend, args.presets[0], args.page_sizes[0], args.prefetch_hits)
             for p in prefetch:
@@ -338,6 +375,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": rows,
         "prefetch": prefetch,
+        "objects": objects,
         "target": target,
     }
 

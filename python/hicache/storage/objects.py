@@ -119,8 +119,18 @@ class StoredObjects:
         if self.zero_copy:
             self._pattern = runs
             return
-        rows = offsets.reshape(-1) // self._row_bytes
-        self._rows = torch.from_numpy(rows.astype(np.int64))
+        # Staged: a page's objects are one strided view of the pool (every layout is affine in the token
+        # inside a page), copied to and from a staging page in stored order, in the widest element that
+        # divides a row.
+        s_n = g.s_page if g.page_size == 1 else g.s_in_page
+        assert np.array_equal(slot.reshape(-1), n * s_n), "a layout not affine in the token of a page"
+        elem = next(e for e in (8, 4, 2, 1) if self._row_bytes % e == 0)
+        h_b = g.s_chunk if g.num_chunks > 1 else self._row_bytes
+        self._view = (
+            (self.objects_per_page, 2, head_group, self.page_size, g.num_layers, self._row_bytes // elem),
+            tuple(x // elem for x in (head_group * h_b, g.s_kv, h_b, s_n, g.s_layer)) + (1,),
+        )
+        self._elem_stride = self._page_stride // elem
         page_total = self.objects_per_page * self.page_bytes
         self.stage_pages = max(1, min(int(max_pages), int(stage_bytes) // page_total))
         area = self.stage_pages * page_total
@@ -128,8 +138,9 @@ class StoredObjects:
         skip = -raw.data_ptr() % _ALIGN
         self._stage = raw[skip : skip + len(AREAS) * area]
         self.extra_buffers = (self._stage,)
-        self._host_rows = self.buffer.view(-1).view(torch.uint8).view(-1, self._row_bytes)
-        self._stage_rows = self._stage.view(len(AREAS), -1, self._row_bytes)
+        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[elem]
+        self._flat = self.buffer.view(-1).view(torch.uint8).view(dtype)
+        self._stage_pages = self._stage.view(dtype).view(len(AREAS), self.stage_pages, *self._view[0])
 
     # -- keys ----------------------------------------------------------------------------------------
     def keys(self, page_keys: Sequence[str]) -> list[str]:
@@ -186,25 +197,31 @@ class StoredObjects:
         self.host_pool.page_ranges(host_slots)
         return host_slots.view(-1, self.page_size)[:, 0].to(torch.int64) // self.page_size
 
-    def _row_index(self, host_slots: torch.Tensor) -> torch.Tensor:
-        page_rows = self._pages(host_slots) * (self._page_stride // self._row_bytes)
-        return (page_rows[:, None] + self._rows[None, :]).reshape(-1)
+    def _page_view(self, page: int) -> torch.Tensor:
+        """Pool page ``page``'s objects as a strided view of the pool, in stored order."""
+        size, stride = self._view
+        return self._flat.as_strided(size, stride, self._flat.storage_offset() + page * self._elem_stride)
 
     def gather(self, area: str, host_slots: torch.Tensor) -> torch.Tensor:
         """Before a write: copy the pages of ``host_slots`` into staging area ``area`` in stored order;
         returns the slots to hand the backend (:meth:`store_slots`). Zero copy: ``host_slots``."""
         slots = self.store_slots(area, host_slots)
         if not self.zero_copy and len(host_slots):
-            idx = self._row_index(host_slots)
-            torch.index_select(self._host_rows, 0, idx, out=self._stage_rows[AREAS.index(area)][: len(idx)])
+            stage = self._stage_pages[AREAS.index(area)]
+            for q, page in enumerate(self._pages(host_slots).tolist()):
+                stage[q].copy_(self._page_view(page))
         return slots
 
     def scatter(self, area: str, host_slots: torch.Tensor) -> None:
         """After a read: copy what staging area ``area`` holds into the pages of ``host_slots`` (those
         the backend read; their objects in the area's first pages). Zero copy: nothing to do."""
         if not self.zero_copy and len(host_slots):
-            idx = self._row_index(host_slots)
-            self._host_rows.index_copy_(0, idx, self._stage_rows[AREAS.index(area)][: len(idx)])
+            pages = self._pages(host_slots).tolist()
+            if len(pages) > self.stage_pages:
+                raise ValueError(f"host_slots: {len(pages)} pages, more than the staging area's {self.stage_pages}")
+            stage = self._stage_pages[AREAS.index(area)]
+            for q, page in enumerate(pages):
+                self._page_view(page).copy_(stage[q])
 
 
 def _runs(offsets: np.ndarray, nbytes: int) -> list[tuple[int, int]]:
