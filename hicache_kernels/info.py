@@ -83,6 +83,14 @@ def format_report(r: dict[str, Any]) -> str:
     tc = r.get("tree_core")
     if tc is not None:
         lines.append(f"  hicache radix-tree core: {tc['core'] or 'none'} ({tc['reason']})")
+    for name, sb in r.get("storage_backends", {}).items():
+        if sb["available"]:
+            where = f"{sb['module']} {sb.get('version') or ''}".strip()
+            lines.append(f"  hicache storage backend {name}: available ({where})")
+            for plugin, state in sb.get("file_plugins", {}).items():
+                lines.append(f"    {plugin:<7} {state}")
+        else:
+            lines.append(f"  hicache storage backend {name}: NOT available: {sb['reason']}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,8 @@
 #   HICACHE_MOONCAKE=1   also the Mooncake Store client (the storage tier's mooncake backend and its
 #                        tests; a CPU machine also needs the libibverbs1 system library, installed here
 #                        with apt-get when run as root)
+#   HICACHE_NIXL=1       also NVIDIA NIXL (nixl-cu13, the [nixl] extra: the storage tier's nixl backend and
+#                        its tests, over NIXL's POSIX plugin; no GPU needed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HICACHE_VENV:-.venv}
@@ -43,5 +45,8 @@ if [ "${HICACHE_MOONCAKE:-0}" = 1 ]; then
   fi
   pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" ||
     echo "setup: could not install the Mooncake Store client: the mooncake tests will skip, saying why"
+fi
+if [ "${HICACHE_NIXL:-0}" = 1 ]; then
+  pip install -q "nixl-cu13==1.5.1" || echo "setup: could not install NIXL: the nixl tests will skip, saying why"
 fi
 python -m hicache.info  # the kernel package's info and the cache layer's tree core

@@ -3,7 +3,8 @@
 Everything ``python -m hicache_kernels.info`` prints (versions, archs, CUDA, GPUs and their PCIe links,
 usable io-backends), whether the cache layer's compiled host core ``hicache._core`` imports (and from
 where, or why not), and which radix-tree core :class:`~hicache.HiRadixCache` takes here by default
-(``HICACHE_TREE_CORE`` honoured) and why. ``--json`` prints one JSON object.
+(``HICACHE_TREE_CORE`` honoured) and why, and whether the storage backends that need another package can
+be built here (``nixl``: NIXL's module, version and plugins, or why not). ``--json`` prints one JSON object.
 """
 
 from __future__ import annotations
@@ -33,10 +34,19 @@ def tree_core_status() -> dict[str, Any]:
     return {"core": core, "reason": reason}
 
 
+def storage_backend_status() -> dict[str, Any]:
+    """Per storage backend that needs another package, whether it can be built here: ``available`` and
+    its details, or the ``reason`` it cannot (:func:`hicache.storage.nixl.nixl_status`)."""
+    from .storage.nixl import nixl_status
+
+    return {"nixl": nixl_status()}
+
+
 def add_cache_layer(report: dict[str, Any]) -> None:
-    """The cache layer's entries of the report: ``host_core`` and ``tree_core``."""
+    """The cache layer's entries of the report: ``host_core``, ``tree_core`` and ``storage_backends``."""
     report["host_core"] = host_core_status()
     report["tree_core"] = tree_core_status()
+    report["storage_backends"] = storage_backend_status()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@
 - :mod:`.base`: :class:`StorageBackend` (``exists`` / ``get`` / ``set`` plus batch defaults that read and
   write host-pool pages in place).
 - :mod:`.file`: :class:`FileBackend` (a directory, one checked object per page, LRU capacity).
+- :mod:`.nixl`: ``NixlBackend`` (the file backend's objects, each batch moved by one NIXL transfer; NIXL
+  is imported when one is built).
 - :mod:`.registry`: :func:`create_backend` (``"file"`` or ``"module:Class"`` with a JSON/TOML config).
 """
 

@@ -1,4 +1,4 @@
-"""Choosing a storage backend by name (``file``, ``mooncake``) or as ``module:Class`` with a config.
+"""Choosing a storage backend by name (``file``, ``mooncake``, ``nixl``) or as ``module:Class`` with a config.
 
 Examples
 --------
@@ -25,6 +25,7 @@ __all__ = ["BUILTIN_BACKENDS", "create_backend", "load_config"]
 BUILTIN_BACKENDS: dict[str, str] = {
     "file": "hicache.storage.file:FileBackend",
     "mooncake": "hicache.storage.mooncake:MooncakeBackend",
+    "nixl": "hicache.storage.nixl:NixlBackend",
 }
 _PLANNED: dict[str, str] = {}
 
