@@ -20,6 +20,7 @@ def test_bench_storage_writes_json(tmp_path, capsys):
         assert r["bytes"] == 3 * r["page_bytes"] and r["get_gbps"] > 0 and r["seq_read_gbps"] > 0
         assert r["get_over_seq_read"] > 0 and r["set_over_seq_write"] > 0
     assert [p["hit_pages"] for p in data["prefetch"]] == [1, 2]
+    assert all(p["objects_per_page"] == 1 and p["layout"] == "page_first" for p in data["prefetch"])  # MLA
     assert all(p["latency_s"] > 0 for p in data["prefetch"])
     assert data["target"]["status"] is None
     assert data["objects"] == []  # MLA pages are stored as they are
@@ -39,6 +40,22 @@ def test_bench_storage_reports_the_objects_staging_cost(tmp_path, capsys):
         assert o["zero_copy"] == (layout == "page_head")
         assert o["zero_copy"] or (o["gather_gbps"] > 0 and o["scatter_gbps"] > 0 and o["pages"] >= 1)
     assert "staged: gather" in capsys.readouterr().out
+
+
+def test_bench_storage_prefetch_layout_and_head_group(tmp_path, capsys):
+    out = tmp_path / "storage.json"
+    args = ["--presets", "llama3-8b", "--page-sizes", "1", "--pages", "1", "--repeats", "1", "--prefetch-hits", "1",
+            "--prefetch-layout", "page_head", "--head-group", "2", "--dir", str(tmp_path),
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    (p,) = json.loads(out.read_text())["prefetch"]
+    assert (p["layout"], p["head_group"], p["objects_per_page"]) == ("page_head", 2, 4) and p["latency_s"] > 0
+    assert "4 objects a page" in capsys.readouterr().out
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--head-group", "0"])
+    assert "--head-group: expected >= 1" in capsys.readouterr().err
 
 
 def test_bench_storage_refuses_bad_counts(capsys):

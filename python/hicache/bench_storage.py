@@ -263,8 +263,10 @@ def backend_remove(backend: StorageBackend, key: str) -> None:
         backend._miss(key)
 
 
-def bench_prefetch(make_backend, preset: str, page_size: int, hits: list[int]) -> list[dict[str, Any]]:
-    """Prefetch latency (start to admission, ``wait_complete``) for hits of ``hits`` pages."""
+def bench_prefetch(make_backend, preset: str, page_size: int, hits: list[int], layout: str = "page_first",
+                   head_group: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+    """Prefetch latency (start to admission, ``wait_complete``) for hits of ``hits`` pages, host pools in
+    ``layout``, MHA pages stored as objects of ``head_group`` heads."""
     layers, heads, dim, mla = PRESETS[preset]
     out = []
     most = max(hits)
@@ -273,9 +275,9 @@ def bench_prefetch(make_backend, preset: str, page_size: int, hits: list[int]) -
     def cache() -> HiRadixCache:
         dev = DeviceKVPool(num_slots=most * page_size, num_layers=layers, head_num=heads, head_dim=dim,
                            dtype=torch.bfloat16, device="cpu", page_size=page_size, mla=mla)  # fmt: skip
-        host = HostKVPool(dev, layout="page_first", ratio=2.0, safety_margin_gb=1.0)
+        host = HostKVPool(dev, layout=layout, ratio=2.0, safety_margin_gb=1.0)
         return HiRadixCache(dev, host, io_backend="direct", threaded=True, storage=make_backend(),
-                            model_id=f"bench-{preset}", load_back_threshold=1,
+                            model_id=f"bench-{preset}", load_back_threshold=1, storage_head_group=head_group,
                             prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=page_size))  # fmt: skip
 
     # The writer stays open while the readers run (a Mooncake object lives as long as the client
@@ -294,7 +296,9 @@ def bench_prefetch(make_backend, preset: str, page_size: int, hits: list[int]) -
                     time.sleep(0.0001)
                 dt = time.perf_counter() - t0
                 assert reader.metrics.storage_hit_tokens == len(toks)
-                out.append({"hit_pages": n, "hit_tokens": len(toks), "latency_s": dt,
+                out.append({"hit_pages": n, "hit_tokens": len(toks), "latency_s": dt, "layout": layout,
+                            "head_group": 1 if mla else head_group,
+                            "objects_per_page": reader.storage.objects.objects_per_page,
                             "gbps": n * reader.host_pool.page_bytes / dt / 1e9})  # fmt: skip
     return out
 
@@ -340,10 +344,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"{'':>12} objects ({o['objects_per_page']} a page, {kib:.0f} KiB), {o['layout']:>17}: "
                               f"{cost}")  # fmt: skip
         if args.prefetch_hits:
-            prefetch = bench_prefetch(make_backend, args.presets[0], args.page_sizes[0], args.prefetch_hits)
+            prefetch = bench_prefetch(make_backend, args.presets[0], args.page_sizes[0], args.prefetch_hits,
+                                      args.prefetch_layout, args.head_group)  # fmt: skip
             for p in prefetch:
                 print(f"prefetch {p['hit_pages']:>4} pages ({p['hit_tokens']} tokens): {1e3 * p['latency_s']:8.2f} ms "
-                      f"({p['gbps']:.2f} GB/s)")  # fmt: skip
+                      f"({p['gbps']:.2f} GB/s; {p['layout']}, {p['objects_per_page']} objects a page)")  # fmt: skip
     # With --direct-io, rows whose pages went buffered compare a warm read with a cold one: not counted.
     counted = [r for r in rows if r["pages"] >= 128 and not (args.direct_io and r["direct_fallbacks"])]
     target_ratio = TARGET_DIRECT_GET_OVER_SEQ if args.direct_io else TARGET_GET_OVER_SEQ
@@ -395,12 +400,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=4, help="the file backend's I/O threads")
     p.add_argument("--prefetch-hits", type=int, nargs="*", default=[1, 8, 32, 128],
                    help="hit lengths in pages for the prefetch latency (none: skip)")  # fmt: skip
+    p.add_argument("--prefetch-layout", default="page_first", choices=LAYOUTS,
+                   help="the host layout of the prefetch latency's caches (default page_first)")  # fmt: skip
+    p.add_argument("--head-group", type=int, default=1,
+                   help="the prefetch caches' storage_head_group: K/V heads per stored object (default 1)")  # fmt: skip
     p.add_argument("--dir", help="where the temporary store goes (default: the system's temp dir)")
     p.add_argument("--direct-io", action="store_true",
                    help="backend and sequential baseline use O_DIRECT (cold; --dir must take it)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
-    for name, value in (("--pages", a.pages), ("--repeats", a.repeats), ("--threads", a.threads)):
+    for name, value in (("--pages", a.pages), ("--repeats", a.repeats), ("--threads", a.threads),
+                        ("--head-group", a.head_group)):  # fmt: skip
         if value < 1:
             p.error(f"{name}: expected >= 1, got {value}")
     if a.direct_io and a.backend != "file":

@@ -217,6 +217,7 @@ class FileBackend(StorageBackend):
         if not isinstance(ns, (bytes, bytearray)) or len(ns) != DIGEST_BYTES:
             raise ValueError(f"namespace: expected a Namespace or a {DIGEST_BYTES}-byte digest")
         self.path = Path(path)
+        self._root = str(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         refused = probe_direct_io(self.path) if mode else None
         if refused and mode is True:
@@ -259,16 +260,20 @@ class FileBackend(StorageBackend):
             self._used += size
 
     def _file(self, key: str) -> Path:
+        return Path(self._fname(key))
+
+    def _fname(self, key: str) -> str:
+        """The object's file name as a string (the read path's: no ``pathlib`` per object)."""
         if len(key) != 2 * DIGEST_BYTES:
             raise ValueError(f"key: expected a {2 * DIGEST_BYTES}-character hex digest, got {key!r}")
-        return self.path / key[:2] / (key + _SUFFIX)
+        return f"{self._root}/{key[:2]}/{key}{_SUFFIX}"
 
     def _forget(self, key: str) -> None:
         size = self._index.pop(key, None)
         if size is not None:
             self._used -= size
 
-    def _touch(self, key: str, size: int, path: Path) -> None:
+    def _touch(self, key: str, size: int, path: Path | str) -> None:
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -375,7 +380,7 @@ class FileBackend(StorageBackend):
             return "corrupt", 0
         return "ok", crc
 
-    def _drop(self, key: str, path: Path, ino: int) -> None:
+    def _drop(self, key: str, path: Path | str, ino: int) -> None:
         """Remove a corrupt object unless another process has already replaced it."""
         with self._lock:
             self._forget(key)
@@ -391,7 +396,7 @@ class FileBackend(StorageBackend):
             self._forget(key)
 
     def _read_into(self, key: str, views: list[memoryview], nbytes: int, direct: bool = False) -> bool:
-        path = self._file(key)
+        path = self._fname(key)
         try:
             fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
         except FileNotFoundError:
@@ -450,7 +455,7 @@ class FileBackend(StorageBackend):
 
     # -- the three user-level methods --------------------------------------------------------------
     def exists(self, key: str) -> bool:
-        return self._file(key).exists()
+        return os.path.exists(self._fname(key))
 
     def get(self, key: str) -> bytes | None:
         path = self._file(key)
@@ -489,7 +494,7 @@ class FileBackend(StorageBackend):
     def batch_exists(self, keys: Sequence[str]) -> int:
         n = 0
         for key in keys:
-            if not self._file(key).exists():
+            if not os.path.exists(self._fname(key)):
                 break
             n += 1
         return n
