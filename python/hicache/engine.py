@@ -160,9 +160,9 @@ class Engine:
         if cache is not None and cache.device_pool is not pool:
             raise ValueError("cache: its device pool is not the engine's pool")
         c = model.cfg
-        want = (True, 1, c.kv_lora) if c.mla else (False, c.num_kv_heads, c.head_dim)
+        want = (True, 1, c.kv_lora) if c.mla else (False, model.kv_heads, c.head_dim)
         if (pool.mla, pool.head_num, pool.head_dim) != want:
-            raise ValueError("pool: not shaped for this model (see ModelConfig.pool)")
+            raise ValueError("pool: not shaped for this model (see TinyLM.pool)")
         self.model = model
         self.pool = pool
         self.cache = cache

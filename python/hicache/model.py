@@ -13,6 +13,13 @@ on how the work was split (projections are per-row reductions of fixed length, e
 over exactly its own prefix): on CPU float32 the logits of a request served from the cache equal
 those of a full recompute bit for bit, which is what proves that the loaded KV is the right KV in the
 right place. ``exact=False`` uses matmuls and fused attention (for benchmarks at real sizes).
+
+Tensor parallel: ``TinyLM(cfg, tp_group=group)`` is one rank of a head-parallel model (Megatron-style
+attention): rank ``r`` of ``T`` holds query heads ``[r * H/T, (r+1) * H/T)`` and their K/V heads (its pool
+has ``num_kv_heads / T`` heads: :meth:`TinyLM.pool`), computes attention for them only and all-gathers
+the heads' outputs (gloo) before the output projection; everything else is replicated. With ``exact``
+every head's computation is the same as on one rank, so every rank's logits equal a TP=1 recompute's bit
+for bit. An MLA model keeps the whole latent on every rank and splits only the query heads.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,9 +91,23 @@ def _rmsnorm(x: torch.Tensor) -> torch.Tensor:
 class TinyLM:
     """The model (module docstring). ``forward`` runs new tokens of one sequence."""
 
-    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu", tp_group: Any = None) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = 0, 1
+        if tp_group is not None:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+            heads = cfg.num_heads if cfg.mla else cfg.num_kv_heads
+            if heads % self.tp_size:
+                raise ValueError(
+                    f"tp_group: {self.tp_size} ranks do not divide the model's {heads} "
+                    f"{'query' if cfg.mla else 'K/V'} heads"
+                )
+        self.q_heads = cfg.num_heads // self.tp_size  # this rank's query heads
+        self.kv_heads = 1 if cfg.mla else cfg.num_kv_heads // self.tp_size  # this rank's pool heads
         g = torch.Generator().manual_seed(cfg.seed)
         h, q, kv, f = cfg.hidden, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn
 
@@ -116,6 +138,14 @@ class TinyLM:
         self.head = w(h, cfg.vocab)
         inv = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
         self._inv_freq = inv
+
+    def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
+        """A device KV pool for this rank: :meth:`ModelConfig.pool` with this rank's K/V heads."""
+        cfg = self.cfg
+        if cfg.mla:
+            return cfg.pool(num_slots, page_size, device)
+        return DeviceKVPool(num_slots=num_slots, num_layers=cfg.num_layers, head_num=self.kv_heads,
+                            head_dim=cfg.head_dim, dtype=cfg.dtype, device=device, page_size=page_size)  # fmt: skip
 
     def positions(self, start: int, n: int) -> torch.Tensor:
         pos = torch.arange(start, start + n, dtype=torch.float64)[:, None] * self._inv_freq[None]
@@ -150,6 +180,8 @@ class TinyLM:
         cfg = self.cfg
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
+        hq, hkv = self.q_heads, self.kv_heads
+        q0, kv0 = self.tp_rank * hq, self.tp_rank * hkv  # this rank's first query and K/V head
         lens = [len(t) for t, _, _ in seqs]
         n = sum(lens)
         seqs = [(t, start, sl.to(self.device)) for t, start, sl in seqs]
@@ -159,8 +191,11 @@ class TinyLM:
         mm = _rowmm if cfg.exact else torch.matmul
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
-            q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)
-            new = mm(a, layer["wdkv"]) if cfg.mla else (mm(a, layer["wk"]), mm(a, layer["wv"]))
+            q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)[:, q0 : q0 + hq]
+            if cfg.mla:
+                new = mm(a, layer["wdkv"])
+            else:
+                new = tuple(mm(a, layer[w]).view(n, cfg.num_kv_heads, d)[:, kv0 : kv0 + hkv] for w in ("wk", "wv"))
             if wait_layer is not None:
                 wait_layer(li)  # the prefixes' K/V (latents) of this layer have landed in the pool
             outs = []
@@ -171,18 +206,24 @@ class TinyLM:
                     pkv = pool.kv[li]
                     pkv[slots[start : start + m]] = new[row : row + m].view(m, 1, cfg.kv_lora)
                     c = pkv[slots[: start + m]].view(start + m, cfg.kv_lora)
-                    keys = mm(c, layer["wuk"]).view(start + m, cfg.num_heads, d)  # [S, Hq, d]
-                    vals = mm(c, layer["wuv"]).view(start + m, cfg.num_heads, d)
+                    keys = mm(c, layer["wuk"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]  # [S, Hq, d]
+                    vals = mm(c, layer["wuv"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]
                 else:
                     pk, pv = pool.k[li], pool.v[li]
-                    pk[slots[start : start + m]] = new[0][row : row + m].view(m, cfg.num_kv_heads, d)
-                    pv[slots[start : start + m]] = new[1][row : row + m].view(m, cfg.num_kv_heads, d)
+                    pk[slots[start : start + m]] = new[0][row : row + m]
+                    pv[slots[start : start + m]] = new[1][row : row + m]
                     keys, vals = pk[slots[: start + m]], pv[slots[: start + m]]  # [S, Hkv, d]
                     if cfg.exact or not _SDPA_GQA:  # every query head its K/V head's copy: [S, Hq, d]
                         keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
                 outs.append(self._attend(q, keys, vals, start, scale))
                 row += m
             out = torch.cat(outs)
+            if self.tp_group is not None:  # every rank's heads, in head order, before the output projection
+                import torch.distributed as dist  # noqa: PLC0415
+
+                parts = [torch.empty_like(out) for _ in range(self.tp_size)]
+                dist.all_gather(parts, out.contiguous(), group=self.tp_group)
+                out = torch.cat(parts, dim=1)
             x = x + mm(out.reshape(n, -1), layer["wo"])
             x = x + mm(torch.nn.functional.gelu(mm(_rmsnorm(x), layer["w1"])), layer["w2"])
         if last_only:
@@ -199,11 +240,16 @@ class TinyLM:
         cfg = self.cfg
         m = len(q)
         if cfg.exact:
-            out = torch.empty(m, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=self.device)
+            out = torch.empty(m, q.shape[1], cfg.head_dim, dtype=cfg.dtype, device=self.device)
+            # Every reduction runs over the innermost, contiguous axis: its result per head does not depend
+            # on how many heads the tensor holds (a reduction over an outer axis vectorizes across the
+            # heads, and its rounding then changes with their number: TP ranks hold fewer).
+            vals_t = vals.permute(1, 2, 0).contiguous()  # [H, d, S]
             for i in range(m):  # each query over exactly its own prefix: shapes independent of the batch
                 s = start + i + 1
-                p = torch.softmax((q[i][None] * keys[:s]).sum(-1) * scale, dim=0)  # [s, Hq]
-                out[i] = (p[..., None] * vals[:s]).sum(0)
+                scores = (q[i][None] * keys[:s]).sum(-1).t().contiguous()  # [Hq, s]
+                p = torch.softmax(scores * scale, dim=-1)
+                out[i] = (p[:, None, :] * vals_t[:, :, :s]).sum(-1)
             return out
         kw: dict = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
         if m > 1:  # a decode step's one query sees every key: no mask
