@@ -108,6 +108,20 @@ def test_the_kernel_package_never_imports_the_cache_package():
     assert KNOWN_UPWARD - upward == set(), "gone: strike them off KNOWN_UPWARD"
 
 
+def test_the_cache_package_uses_only_public_kernel_modules():
+    """``hicache`` builds on the kernel package's public modules: a private one (``_names``, ``_env``, ...)
+    may change under it without notice."""
+    edges = graph()
+
+    def is_private_kernel_module(name: str) -> bool:
+        top, *rest = name.split(".")
+        return top == "hicache_kernels" and any(x.startswith("_") for x in rest)
+
+    kernel_private = {b for bs in edges.values() for b in bs if is_private_kernel_module(b)}
+    private = {(a, b) for a, bs in edges.items() if a.split(".")[0] == "hicache" for b in bs & kernel_private}
+    assert private == set()
+
+
 def test_no_import_circles():
     found = cycles(graph())
     new = [c for c in found if not any(c <= k for k in KNOWN_CYCLES)]

@@ -49,6 +49,7 @@ from .triton import TritonBackend
 
 __all__ = [
     "AUTO_DESIGNS",
+    "IO_BACKENDS",
     "AutoBackend",
     "BatchBackend",
     "DirectBackend",

@@ -41,8 +41,7 @@ from typing import Any
 
 import torch
 
-from hicache_kernels._names import IO_BACKENDS
-from hicache_kernels.backends import IOBackend, get_backend
+from hicache_kernels.backends import IO_BACKENDS, IOBackend, get_backend
 from hicache_kernels.binding import KVBinding
 
 from .copy_completions import CopyAck, CopyCompletions, check_tp_group
