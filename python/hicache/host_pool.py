@@ -338,6 +338,15 @@ class HostKVPool:
         lives (``buffer`` is never reallocated). ``ValueError`` when ``slots`` are not whole aligned
         pages inside the pool; ``TypeError`` when not a 1-D integer tensor.
         """
+        pages = self.page_indices(slots)
+        pattern = self._page_pattern()
+        base = self.buffer.data_ptr()
+        stride = self._page_stride
+        return [[(base + p * stride + off, n) for off, n in pattern] for p in pages]
+
+    def page_indices(self, slots: torch.Tensor) -> list[int]:
+        """The pool page of each page of ``slots`` (page ``p`` is slots ``[p * page_size, (p + 1) *
+        page_size)``), in order, with :meth:`page_ranges`' checks and errors."""
         if not isinstance(slots, torch.Tensor):
             raise TypeError(f"page_ranges: slots: expected a torch.Tensor, got {type(slots).__name__}")
         if slots.dtype == torch.bool or slots.is_floating_point() or slots.is_complex() or slots.dim() != 1:
@@ -358,10 +367,7 @@ class HostKVPool:
                 f"page_ranges: page(s) at position {_fmt_slots(bad)} are not page-aligned runs of {ps} consecutive "
                 f"slots (page p is slots [p*{ps}, (p+1)*{ps}))"
             )
-        pattern = self._page_pattern()
-        base = self.buffer.data_ptr()
-        stride = self._page_stride
-        return [[(base + p * stride + off, n) for off, n in pattern] for p in (first[:, 0] // ps).tolist()]
+        return (first[:, 0] // ps).tolist()
 
     def state(self, slots: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 tensor of the :class:`SlotState` of each of ``slots`` (default: every slot); a copy."""

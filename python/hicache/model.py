@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .pools import DeviceKVPool
 
@@ -97,8 +98,6 @@ class TinyLM:
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = 0, 1
         if tp_group is not None:
-            import torch.distributed as dist  # noqa: PLC0415
-
             self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
             heads = cfg.num_heads if cfg.mla else cfg.num_kv_heads
             if heads % self.tp_size:
@@ -219,8 +218,6 @@ class TinyLM:
                 row += m
             out = torch.cat(outs)
             if self.tp_group is not None:  # every rank's heads, in head order, before the output projection
-                import torch.distributed as dist  # noqa: PLC0415
-
                 parts = [torch.empty_like(out) for _ in range(self.tp_size)]
                 dist.all_gather(parts, out.contiguous(), group=self.tp_group)
                 out = torch.cat(parts, dim=1)

@@ -175,7 +175,7 @@ class StoredObjects:
             return out
         base = self.buffer.data_ptr()
         out = []
-        for p in self._pages(slots).tolist():
+        for p in self.host_pool.page_indices(slots):
             start = base + p * self._page_stride
             out += [[(start + off, n) for off, n in obj] for obj in self._pattern]
         return out
@@ -191,12 +191,6 @@ class StoredObjects:
         first = self.host_pool.size + AREAS.index(area) * self.stage_pages * self.page_size
         return torch.arange(first, first + len(host_slots), dtype=torch.int64)
 
-    def _pages(self, host_slots: torch.Tensor) -> torch.Tensor:
-        """The pool pages of ``host_slots`` (``ValueError`` / ``TypeError`` from the pool's check when they
-        are not whole aligned pages inside it)."""
-        self.host_pool.page_ranges(host_slots)
-        return host_slots.view(-1, self.page_size)[:, 0].to(torch.int64) // self.page_size
-
     def _page_view(self, page: int) -> torch.Tensor:
         """Pool page ``page``'s objects as a strided view of the pool, in stored order."""
         size, stride = self._view
@@ -208,7 +202,7 @@ class StoredObjects:
         slots = self.store_slots(area, host_slots)
         if not self.zero_copy and len(host_slots):
             stage = self._stage_pages[AREAS.index(area)]
-            for q, page in enumerate(self._pages(host_slots).tolist()):
+            for q, page in enumerate(self.host_pool.page_indices(host_slots)):
                 stage[q].copy_(self._page_view(page))
         return slots
 
@@ -216,9 +210,8 @@ class StoredObjects:
         """After a read: copy what staging area ``area`` holds into the pages of ``host_slots`` (those
         the backend read; their objects in the area's first pages). Zero copy: nothing to do."""
         if not self.zero_copy and len(host_slots):
-            pages = self._pages(host_slots).tolist()
-            if len(pages) > self.stage_pages:
-                raise ValueError(f"host_slots: {len(pages)} pages, more than the staging area's {self.stage_pages}")
+            self.store_slots(area, host_slots)  # at most a staging area's pages
+            pages = self.host_pool.page_indices(host_slots)
             stage = self._stage_pages[AREAS.index(area)]
             for q, page in enumerate(pages):
                 self._page_view(page).copy_(stage[q])
