@@ -19,7 +19,7 @@ import pytest
 import torch
 from storagedata import PAGE, host_pool, page_bytes
 
-import hicache.storage.file as file_mod
+import hicache.storage.fileio as fileio
 from hicache.storage import FileBackend, Namespace, create_backend, page_keys
 from hicache.storage.file import DIRECT_ALIGN, HEADER_BYTES, probe_direct_io
 from hicache_kernels import layouts
@@ -357,6 +357,6 @@ def test_probe_reports_why(tmp_path, monkeypatch):
         pytest.skip("no O_DIRECT on this platform")
     refuse_o_direct(monkeypatch)
     assert "O_DIRECT" in probe_direct_io(tmp_path)
-    monkeypatch.setattr(file_mod, "_O_DIRECT", 0)
+    monkeypatch.setattr(fileio, "O_DIRECT_FLAG", 0)
     assert probe_direct_io(tmp_path) == "this platform has no O_DIRECT"
     assert list(tmp_path.iterdir()) == []

@@ -52,7 +52,7 @@ from hicache_kernels.layouts import LAYOUTS
 from .pools import DeviceKVPool, HostKVPool
 from .radix_cache import HiRadixCache
 from .storage import FileBackend, StorageBackend, create_backend, page_views
-from .storage.file import DIRECT_ALIGN, _direct_aligned, _preadv_all, _pwritev_all  # the file backend's own
+from .storage.fileio import DIRECT_ALIGN, direct_aligned, preadv_all, pwritev_all  # the file backend's own
 from .storage.objects import StoredObjects
 from .storage.tier import PrefetchPolicy
 
@@ -167,7 +167,7 @@ def _sequential(path: Path, ranges: list[tuple[int, int]], repeats: int,
     aligned buffer of the same size, rounded up to whole blocks, when ``ranges`` are not whole blocks)."""
     flags = os.O_DIRECT if direct else 0
     bounce = None
-    if direct and not _direct_aligned(ranges):
+    if direct and not direct_aligned(ranges):
         nbytes = sum(n for _, n in ranges)
         bounce = mmap.mmap(-1, -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)  # page-aligned
         views = [memoryview(bounce)]
@@ -177,14 +177,14 @@ def _sequential(path: Path, ranges: list[tuple[int, int]], repeats: int,
     def write() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
         try:
-            _pwritev_all(fd, views, 0)
+            pwritev_all(fd, views, 0)
         finally:
             os.close(fd)
 
     def read() -> None:
         fd = os.open(path, os.O_RDONLY | flags)
         try:
-            if _preadv_all(fd, views, 0) != sum(len(v) for v in views):
+            if preadv_all(fd, views, 0) != sum(len(v) for v in views):
                 raise OSError(f"{path}: short read")
         finally:
             os.close(fd)

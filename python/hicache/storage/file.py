@@ -74,6 +74,17 @@ import torch
 from . import checksum as _checksum
 from .base import StorageBackend, page_views
 from .checksum import PageChecksum, checksum
+from .fileio import (
+    CHUNK_BYTES,
+    DIRECT_ALIGN,
+    O_DIRECT_FLAG,
+    check_direct_io,
+    chunks,
+    direct_aligned,
+    preadv_all,
+    probe_direct_io,
+    pwritev_all,
+)
 from .keys import DIGEST_BYTES, Namespace
 
 __all__ = ["DIRECT_ALIGN", "FileBackend", "probe_direct_io"]
@@ -81,100 +92,10 @@ __all__ = ["DIRECT_ALIGN", "FileBackend", "probe_direct_io"]
 MAGIC = b"HICKVPG3"
 _HEAD = struct.Struct("<8s32s32sQQ")  # magic, key, namespace, payload length, payload checksum
 _HEADER = struct.Struct("<8s32s32sQQI")  # ... + crc32 of the fields above
-CHUNK_BYTES = 256 << 10  # read and checksummed while in the CPU cache
-DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and addresses (module docstring)
+_SUFFIX = ".kv"
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 HEADER_BYTES = DIRECT_ALIGN  # the header block: the header, then zeros; the payload starts after it
 _PAD = bytes(HEADER_BYTES - _HEADER.size)
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
-_SUFFIX = ".kv"
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
-
-
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    """``bufs`` without their first ``n`` bytes."""
-    i = 0
-    while i < len(bufs) and n >= len(bufs[i]):
-        n -= len(bufs[i])
-        i += 1
-    rest = bufs[i:]
-    if rest and n:
-        rest[0] = rest[0][n:]
-    return rest
-
-
-def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
-    """Fill ``bufs`` from ``fd`` at ``offset`` (retrying short reads); returns the bytes read (less at EOF)."""
-    total = 0
-    while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], offset + total)
-        if n == 0:
-            break
-        total += n
-        bufs = _advance(bufs, n)
-    return total
-
-
-def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
-    total = 0
-    while bufs:
-        n = os.pwritev(fd, bufs[:_IOV_MAX], offset + total)
-        if n == 0:
-            raise OSError("pwritev wrote nothing")
-        total += n
-        bufs = _advance(bufs, n)
-
-
-def _chunks(views: Sequence[memoryview]) -> list[memoryview]:
-    """``views`` cut into pieces of at most :data:`CHUNK_BYTES`, in order."""
-    out = []
-    for v in views:
-        for i in range(0, len(v), CHUNK_BYTES):
-            out.append(v[i : i + CHUNK_BYTES])
-    return out
-
-
-def _direct_aligned(ranges: Sequence[tuple[int, int]]) -> bool:
-    """Whether every ``(address, nbytes)`` range starts at and spans a multiple of :data:`DIRECT_ALIGN`."""
-    return all(addr % DIRECT_ALIGN == 0 and n % DIRECT_ALIGN == 0 for addr, n in ranges)
-
-
-def probe_direct_io(directory: str | os.PathLike[str]) -> str | None:
-    """None when ``directory`` (which must exist) takes ``O_DIRECT`` transfers of :data:`DIRECT_ALIGN`
-    bytes, else why not (a short sentence). It writes, reads and removes a probe file there."""
-    if not _O_DIRECT:
-        return "this platform has no O_DIRECT"
-    probe = Path(directory) / f".direct-io-probe.{os.getpid()}.{threading.get_ident()}.tmp"
-    block = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned memory
-    try:
-        try:
-            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
-        except OSError as e:
-            return f"opening a file with O_DIRECT failed: {e.strerror or e} (errno {e.errno})"
-        try:
-            if os.pwritev(fd, [block], 0) != DIRECT_ALIGN or os.preadv(fd, [block], 0) != DIRECT_ALIGN:
-                return f"a {DIRECT_ALIGN}-byte O_DIRECT transfer was short"
-        except OSError as e:
-            return f"a {DIRECT_ALIGN}-byte O_DIRECT transfer failed: {e.strerror or e} (errno {e.errno})"
-        finally:
-            os.close(fd)
-        return None
-    finally:
-        block.close()
-        try:
-            os.unlink(probe)
-        except OSError:
-            pass
-
-
-def _check_direct_io(value: object) -> bool | str:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        if value == "auto":
-            return value
-        raise ValueError(f"direct_io: expected True, False or 'auto', got {value!r}")
-    raise TypeError(f"direct_io: expected a bool or 'auto', got {type(value).__name__} {value!r}")
 
 
 class FileBackend(StorageBackend):
@@ -210,7 +131,7 @@ class FileBackend(StorageBackend):
             raise ValueError(f"capacity_bytes: expected None or a non-negative int, got {capacity_bytes!r}")
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads: expected a positive int, got {num_threads!r}")
-        mode = _check_direct_io(direct_io)
+        mode = check_direct_io(direct_io)
         ns = namespace.digest if isinstance(namespace, Namespace) else namespace
         if ns is None:
             ns = bytes(DIGEST_BYTES)
@@ -340,13 +261,13 @@ class FileBackend(StorageBackend):
             if direct:  # every view is whole aligned blocks; the header goes from aligned memory too
                 block = self._block()
                 block[:] = header
-                first, flags = block, flags | _O_DIRECT
+                first, flags = block, flags | O_DIRECT_FLAG
             else:
                 first = memoryview(header)
             path.parent.mkdir(exist_ok=True)
             fd = os.open(tmp, flags, 0o644)
             try:
-                _pwritev_all(fd, [first, *views], 0)
+                pwritev_all(fd, [first, *views], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -398,7 +319,7 @@ class FileBackend(StorageBackend):
     def _read_into(self, key: str, views: list[memoryview], nbytes: int, direct: bool = False) -> bool:
         path = self._fname(key)
         try:
-            fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+            fd = os.open(path, os.O_RDONLY | (O_DIRECT_FLAG if direct else 0))
         except FileNotFoundError:
             self._miss(key)
             return False
@@ -411,7 +332,7 @@ class FileBackend(StorageBackend):
             elif direct:
                 # One request for the header block and the payload (all whole aligned blocks), then the checks.
                 block = self._block()
-                if _preadv_all(fd, [block, *views], 0) != st.st_size:
+                if preadv_all(fd, [block, *views], 0) != st.st_size:
                     verdict, crc = "corrupt", 0
                 else:
                     verdict, crc = self._check_header(key, block, nbytes)
@@ -419,7 +340,7 @@ class FileBackend(StorageBackend):
                         verdict = "corrupt"
             else:
                 header = bytearray(HEADER_BYTES)
-                verdict, crc = self._check_header(key, memoryview(header)[: _preadv_all(fd, [memoryview(header)], 0)],
+                verdict, crc = self._check_header(key, memoryview(header)[: preadv_all(fd, [memoryview(header)], 0)],
                                                   nbytes)  # fmt: skip
                 if verdict == "ok":
                     verdict = "ok" if self._read_payload(fd, views, nbytes, crc) else "corrupt"
@@ -446,8 +367,8 @@ class FileBackend(StorageBackend):
             got, total = _checksum.pread_checksum(fd, HEADER_BYTES, views, 0, 0, CHUNK_BYTES)
             return got == nbytes and _checksum.finish(total, nbytes) == crc
         offset, sums = HEADER_BYTES, PageChecksum()
-        for chunk in _chunks(views):  # checksummed while still in the CPU cache
-            if _preadv_all(fd, [chunk], offset) != len(chunk):
+        for chunk in chunks(views):  # checksummed while still in the CPU cache
+            if preadv_all(fd, [chunk], offset) != len(chunk):
                 return False
             sums.update(chunk)
             offset += len(chunk)
@@ -518,7 +439,7 @@ class FileBackend(StorageBackend):
         """Per page, whether it moves with ``O_DIRECT`` (direct I/O on and its ranges aligned); counts both."""
         if not self.direct_io:
             return [False] * len(pages)
-        direct = [_direct_aligned(ranges) for ranges in pages]
+        direct = [direct_aligned(ranges) for ranges in pages]
         n = sum(direct)
         self._count(direct_pages=n, direct_fallbacks=len(direct) - n)
         return direct
