@@ -277,7 +277,9 @@ def test_range_and_repeat_checks_share_one_sync(where):
                            layout="page_first", page_size=4)  # fmt: skip
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in seen if "synchroniz" in str(w.message).lower()]
+    # torch also warns once per process that the debug mode is a prototype ("...does not yet detect all
+    # synchronizing operations"): only the per-sync warning counts (seen on the H200, torch 2.11).
+    syncs = [w for w in seen if "called a synchronizing cuda operation" in str(w.message).lower()]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
