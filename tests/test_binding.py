@@ -441,6 +441,55 @@ def test_gpu_binding_load_captured_in_a_graph():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("rewrite", ["copy_", "data+increment_version"])
+def test_gpu_compat_follows_a_cuda_pointer_table_rewritten_in_place(rewrite):
+    """A CUDA pointer table is not read back on every call (that would synchronise): its in-place
+    version stands for its contents. Rewritten by an in-place op (which bumps it), or behind torch's
+    back followed by ``torch.autograd.graph.increment_version`` (the documented contract), the next
+    call must copy into the layers the table names now, on the kernel backend, and leave the old
+    layers alone."""
+    L, N, H, D = 3, 64, 2, 8
+    item = H * D * 2
+    gen = torch.Generator().manual_seed(21)
+
+    def layers(fill):
+        out = [torch.empty(N, H, D, dtype=torch.float16) for _ in range(L)]
+        return [(random_bytes_(t, gen) if fill == "random" else poison_(t)).cuda() for t in out]
+
+    def addresses(ls):
+        return torch.tensor([t.data_ptr() for t in ls], dtype=torch.int64, device="cuda")
+
+    src, first, second = layers("random"), layers("poison"), layers("poison")
+    src_table, dst_table = addresses(src), addresses(first)
+    si = torch.tensor([1, 5, 9, 14, 33], device="cuda")
+    di = torch.tensor([0, 2, 4, 15, 63], device="cuda")
+
+    def check(written, untouched):
+        for layer in range(L):
+            want = poison_(torch.empty(N, H, D, dtype=torch.float16))
+            want[di.cpu()] = src[layer].cpu()[si.cpu()]
+            assert same_bytes(written[layer].cpu(), want), layer
+            assert same_bytes(untouched[layer].cpu(), poison_(torch.empty_like(want))), layer
+
+    sk.transfer_kv_all_layer_mla(src_table, dst_table, si, di, item, L)
+    torch.cuda.synchronize()
+    check(first, second)
+    for t in first:
+        poison_(t)
+    if rewrite == "copy_":
+        dst_table.copy_(addresses(second))
+    else:
+        version = dst_table._version
+        dst_table.data.copy_(addresses(second))  # .data: a detached version counter
+        assert dst_table._version == version
+        torch.autograd.graph.increment_version(dst_table)
+    sk.transfer_kv_all_layer_mla(src_table, dst_table, si, di, item, L)
+    torch.cuda.synchronize()
+    check(second, first)
+
+
+@pytest.mark.gpu
 def test_gpu_tables_go_with_their_pools():
     before = len(launch.device_tables)
     pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1, device="cuda", pin=True,

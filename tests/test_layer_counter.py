@@ -344,6 +344,39 @@ def test_gpu_consumer_of_an_older_batch_reads_what_its_delayed_copies_loaded():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_smoke
+def test_gpu_skipped_layers_wait_for_the_copy_that_covers_them():
+    """Skipping ahead (layer_issued(3) after layer 0) records the skipped layers' events at the same
+    point of the load stream as layer 3's, after every copy issued so far: a consumer of layer 1 or 2
+    on another stream reads what those delayed copies loaded, never the zeros before them."""
+    L, n = 4, 1 << 14
+    counter = LayerDoneCounter(L, torch.device("cuda"))
+    host = torch.randn(L, n, pin_memory=True)
+    dev = torch.zeros(L, n, device="cuda")
+    seen = torch.zeros(L, n, device="cuda")
+    load, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    gen = counter.start()
+    with torch.cuda.stream(load):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        dev[0].copy_(host[0], non_blocking=True)
+    counter.layer_issued(0, load, gen)
+    with torch.cuda.stream(load):
+        for layer in range(1, L):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            dev[layer].copy_(host[layer], non_blocking=True)
+    counter.layer_issued(L - 1, load, gen)  # layers 1 and 2 are covered by this one record
+    with torch.cuda.stream(consumer):
+        for layer in (2, 1, 0, 3):
+            counter.wait_until(layer, generation=gen)
+            seen[layer].copy_(dev[layer])
+    consumer.synchronize()
+    assert torch.equal(seen.cpu(), host)
+    load.synchronize()
+    counter.finish(gen)
+
+
+@pytest.mark.gpu
 def test_gpu_controller_overlapping_loads_on_a_delayed_stream(monkeypatch):
     L = 4
     dev = DeviceKVPool(num_slots=256, num_layers=L, head_num=8, head_dim=64, dtype=torch.bfloat16, device="cuda",
