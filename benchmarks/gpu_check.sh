@@ -8,7 +8,7 @@
 #              engines, direct, batch at page 16, SM budgets 1-8: bench_designs.json), if time is left
 #   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> compute-sanitizer
 #           memcheck on the smoke set -> pcie --quick -> bench --quick (interference, overlap, auto)
-#           -> the serving benchmark on the GPU (hicache.bench_serving: TTFT per mode, 8B-like layers):
+#           -> the serving benchmark on the GPU (hicache.bench.serving: TTFT per mode, 8B-like layers):
 #              multi-turn, then long-context QA (several documents whose KV is 4x the device pool)
 #
 #   bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--only STEP,...] [--budget SECONDS] OUT_DIR
@@ -175,13 +175,13 @@ if [ "$STAGE" != 1 ]; then
   if [ $DRY = 1 ]; then  # the GPU runs' arguments are checked (the CLI stops at "no CUDA device"), then
     # the CPU stand-ins run: the same CLI, small and exact
     step serving-args 60 sh -c "for args in '${SERVE[*]}' '${LONGQA[*]}'; do
-      out=\$($PY -m hicache.bench_serving \$args 2>&1); echo \"\$out\";
+      out=\$($PY -m hicache.bench.serving \$args 2>&1); echo \"\$out\";
       echo \"\$out\" | grep -q 'no CUDA device is visible' || exit 1; done"
     SERVE=(--quick)
     LONGQA=(--quick --workload longqa)
   fi
-  step bench-serving 180 $PY -m hicache.bench_serving "${SERVE[@]}" --json "$OUT/serving.json"
-  step serving-longqa 150 $PY -m hicache.bench_serving "${LONGQA[@]}" --json "$OUT/serving_longqa.json"
+  step bench-serving 180 $PY -m hicache.bench.serving "${SERVE[@]}" --json "$OUT/serving.json"
+  step serving-longqa 150 $PY -m hicache.bench.serving "${LONGQA[@]}" --json "$OUT/serving_longqa.json"
 fi
 write_summary
 {

@@ -117,7 +117,7 @@ def wrap_copies(monkeypatch, kind: str, around) -> None:
     ``call.device_indices``)."""
     from types import SimpleNamespace
 
-    from hicache.layer_loads import LayerLoads
+    from hicache.controller.layer_loads import LayerLoads
     from hicache_kernels.binding import KVBinding
 
     if kind == "backup":

@@ -27,11 +27,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def no_ordering_hazards():
-    """Fails a test during which a deferred-completion device (:mod:`hicache.deferred`; every cache on
+    """Fails a test during which a deferred-completion device (:mod:`hicache.streams.deferred`; every cache on
     CPU pools runs under one when HICACHE_DEFERRED_SEED is set) caught a stream-ordering hazard, even
     when the code under test caught the error. A test that provokes hazards on purpose clears
     ``hazard_log()`` itself."""
-    from hicache.deferred import hazard_log
+    from hicache.streams.deferred import hazard_log
 
     log = hazard_log()
     start = len(log)
@@ -47,7 +47,7 @@ def each_tree_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     """Runs a test once per radix-tree core (HiRadixCache's default comes from HICACHE_TREE_CORE);
     the compiled run skips, saying why, when the host core hicache._core is not built."""
     if request.param == "compiled":
-        from hicache.tree_core import compiled_core_status
+        from hicache.tree.core import compiled_core_status
 
         ok, why = compiled_core_status()
         if not ok:
@@ -64,3 +64,26 @@ def fake_mooncake(monkeypatch: pytest.MonkeyPatch):
     fake = FakeMooncake().install(monkeypatch)
     yield fake
     fake.close()
+
+
+# The Mooncake Store's master, for tests/storage/ and the TP-shared store of tests/serving/ (one a module).
+@pytest.fixture(scope="module")
+def master_binary() -> str:
+    from mooncakedata import client_missing, master_binary_path
+
+    why = client_missing()
+    if why:
+        pytest.skip(why)
+    binary = master_binary_path()
+    if binary is None or not os.access(binary, os.X_OK):
+        pytest.skip("no mooncake_master executable (set HICACHE_MOONCAKE_MASTER, or install the mooncake package)")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def master(master_binary, tmp_path_factory):
+    from mooncakedata import Master
+
+    m = Master(master_binary, tmp_path_factory.mktemp("mooncake") / "master.log").start()
+    yield m
+    m.stop()

@@ -256,7 +256,7 @@ class PyPageStack {
   py::tuple owned_keep_;  // likewise the owners' arrays
 };
 
-// One tier's eviction candidates over a PyRadixTree's counters (hicache.candidates); keeps the
+// One tier's eviction candidates over a PyRadixTree's counters (hicache.tree.candidates); keeps the
 // tree alive.
 class PyCandidateHeap {
  public:
@@ -293,14 +293,15 @@ void bind_page_stack(py::module_& m) {
            "The owners' slot flags (1-byte arrays, one entry per slot) transition checks.")
       .def("transition", &PyPageStack::transition, py::arg("slots"), py::arg("sources"),
            py::arg("target"), py::arg("push"), py::arg("top"), py::arg("check_owned"),
-           "Move whole pages in order between states (see hicache.paged_slots); the new top, or -1 "
+           "Move whole pages in order between states (see hicache.pools.paged_slots); the new top, "
+           "or -1 "
            "with nothing changed for anything the general path must decide.");
 }
 
 void bind_candidate_heap(py::module_& m) {
   py::class_<PyCandidateHeap>(
       m, "CandidateHeap",
-      "One tier's eviction candidates in policy order (see hicache.candidates).")
+      "One tier's eviction candidates in policy order (see hicache.tree.candidates).")
       .def(py::init<py::object, int, int64_t>(), py::arg("tree"), py::arg("policy"),
            py::arg("param"))
       .def(
@@ -323,7 +324,7 @@ void bind_candidate_heap(py::module_& m) {
 void bind_radix_tree(py::module_& m) {
   py::class_<PyRadixTree>(
       m, "RadixTree",
-      "The compiled radix-tree core of hicache.HiRadixCache (see hicache.tree_core).")
+      "The compiled radix-tree core of hicache.HiRadixCache (see hicache.tree.core).")
       .def(py::init<int64_t>(), py::arg("page_size"))
       .def("bind_slots", &PyRadixTree::bind_slots, py::arg("states"), py::arg("owned"),
            "The device pool's slot states (uint8, 0 = free) and the tree's ownership bytes (bool, "

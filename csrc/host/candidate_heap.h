@@ -1,9 +1,10 @@
-// Eviction candidates of one tier in policy order, kept as the tree changes (hicache.candidates has
-// the design): a lazy min-heap of (policy key, node id) over the compiled radix tree's counters. A
-// node is pushed whenever it may have become a candidate and is queued at most once; a pop drops
-// nodes that left the tree and puts back, with its new key, a node whose key grew since its push
-// (it was hit). Exact for the built-in policies, whose keys never decrease over a node's life.
-// Whether a popped node is a candidate now (locks, children) is the caller's check. Plain C++.
+// Eviction candidates of one tier in policy order, kept as the tree changes
+// (hicache.tree.candidates has the design): a lazy min-heap of (policy key, node id) over the
+// compiled radix tree's counters. A node is pushed whenever it may have become a candidate and is
+// queued at most once; a pop drops nodes that left the tree and puts back, with its new key, a node
+// whose key grew since its push (it was hit). Exact for the built-in policies, whose keys never
+// decrease over a node's life. Whether a popped node is a candidate now (locks, children) is the
+// caller's check. Plain C++.
 #pragma once
 
 #include <array>
@@ -17,7 +18,7 @@
 
 namespace hicache {
 
-// The built-in policies of hicache.policies, as keys of the tree's counters (smallest first).
+// The built-in policies of hicache.tree.policies, as keys of the tree's counters (smallest first).
 enum class PolicyKey : int { kLru = 0, kLfu = 1, kSlru = 2, kFifo = 3, kPriority = 4 };
 
 class CandidateHeap {

@@ -1,11 +1,11 @@
-// The compiled core of hicache's radix tree (python/hicache/tree_core.py wraps it): token keys,
+// The compiled core of hicache's radix tree (python/hicache/tree/core.py wraps it): token keys,
 // topology, device slots and access counters of every node, and the two hot calls of a scheduler
 // step, match and insert, each one call with no Python in between. Plain C++17: no Python, no
 // torch, no CUDA; bindings.cpp converts the arguments.
 //
-// Semantics are those of the Python tree (python/hicache/radix_cache.py, the reference it is tested
-// against): page-aligned keys, an edge leaves a node by its first page, a split keeps the lower
-// node's id, the clock ticks once per touched node, ids are never reused.
+// Semantics are those of the Python tree (python/hicache/cache/radix_cache.py, the reference it is
+// tested against): page-aligned keys, an edge leaves a node by its first page, a split keeps the
+// lower node's id, the clock ticks once per touched node, ids are never reused.
 #pragma once
 
 #include <cstdint>

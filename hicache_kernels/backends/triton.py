@@ -11,7 +11,7 @@ dtype (fp16, bf16, fp32, fp8, uint8) and every item size (6-byte items, 656-byte
 bit-exactly; all strides reach the kernel in elements of that type.
 When every address and stride is also 16-byte aligned (``VEC > 1``), every address is formed from one
 aligned ``anchor`` pointer with alignment hints, so the compiled kernel uses 16-byte vector loads and
-stores (``ld/st.global.v2.b64`` or ``.v4.b32``; tests/test_triton_quality.py checks the PTX).
+stores (``ld/st.global.v2.b64`` or ``.v4.b32``; tests/kernels/test_triton_quality.py checks the PTX).
 
 Work split
 ----------

@@ -32,7 +32,8 @@ ESTIMATE_US_PER_FRAGMENT = 2.0
 # The --targets-core sweep (see parse_args); the help quotes the estimate for the default preset.
 CORE_PAGE_SIZES = "1,4,16,64,128"
 CORE_LAYOUTS = "page_first_direct,layer_first"
-CORE_ESTIMATE_S = 16  # estimate_s() of the default --targets-core plan; tests/test_bench.py keeps it current
+# estimate_s() of the default --targets-core plan; tests/kernels_bench/test_bench.py keeps it current
+CORE_ESTIMATE_S = 16
 # The GEMMs of --interference (n x n) and --overlap (the first of these at least 1.25x a layer's load).
 INTERFERENCE_GEMM_N = 8192
 OVERLAP_GEMM_NS = (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)

@@ -15,7 +15,7 @@ from typing import Any
 from hicache_kernels import info as kernel_info
 
 from .native import core_file, core_status
-from .tree_core import choose_core
+from .tree.core import choose_core
 
 
 def host_core_status() -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """One cached loader for the cache layer's compiled host core, ``hicache._core``.
 
 The core (``csrc/host/``: plain C++ and pybind11, no CUDA, no torch) holds the radix tree
-(``RadixTree``, :mod:`hicache.tree_core`), its eviction candidates (``CandidateHeap``,
-:mod:`hicache.candidates`), the pools' page stack (``PageStack``, :mod:`hicache.paged_slots`) and the
+(``RadixTree``, :mod:`hicache.tree.core`), its eviction candidates (``CandidateHeap``,
+:mod:`hicache.tree.candidates`), the pools' page stack (``PageStack``, :mod:`hicache.pools.paged_slots`) and the
 file backend's page checksum (``checksum_words``, ``pread_checksum``, :mod:`hicache.storage.checksum`).
 ``setup.py`` builds it with the host C++ compiler in every build, ``HICACHE_SKIP_CUDA=1`` and machines
 without a CUDA toolkit included; it is missing only where the package was not built (or the build

@@ -29,7 +29,7 @@ size, which cannot be asked of a file (``BLKSSZGET`` needs the block device; ``s
 alignment needs Linux 6.1 and is not in Python's ``os``); the backend aligns to :data:`DIRECT_ALIGN`
 (4096 bytes): the largest logical block size in common use (512- and 4096-byte sectors) and the OS page
 size, so it fits both. A page goes direct when each of its memory ranges starts at and spans a multiple
-of 4096 bytes: the host pool's buffer is page-aligned (:mod:`hicache.host_memory`) and pages of
+of 4096 bytes: the host pool's buffer is page-aligned (:mod:`hicache.pools.host_memory`) and pages of
 realistic geometry are whole blocks (Llama-3-8B bf16, 16 tokens: 1 MiB per K and V; DeepSeek-V3 MLA,
 64 tokens: 4,497,408 bytes), but not all (DeepSeek-V3, 16 tokens: 1,124,352 bytes; small test pools).
 A page that is not goes through the buffered path instead (a plain descriptor; a fallback read then

@@ -1,5 +1,5 @@
 """The storage tier's threads: backups of host pages to a :class:`StorageBackend`, and prefetches of
-stored pages into host slots. :class:`~hicache.radix_cache.HiRadixCache` drives it (``storage=``).
+stored pages into host slots. :class:`~hicache.cache.radix_cache.HiRadixCache` drives it (``storage=``).
 
 Threads never call back into the tree: the backup thread acknowledges through a queue that the
 scheduler drains (:meth:`StorageTier.finished_backups`, the count agreed across TP ranks like the

@@ -1,0 +1,259 @@
+"""The model :mod:`hicache.serving.engine` serves: a small decoder-only transformer in plain torch.
+
+:class:`TinyLM` has seeded random weights (no downloads): ``num_layers`` layers of grouped-query
+attention (``num_heads`` query heads sharing ``num_kv_heads`` K/V heads of ``head_dim``) and a GELU
+MLP, pre-RMS-norm, fixed sinusoidal positions. With ``mla=True`` a layer caches one latent vector of
+``kv_lora`` elements per token instead (an MLA pool), from which every head's K and V are projected
+up when attention reads it. Its attention keeps no K/V of its own: each layer writes the new tokens'
+K and V into the :class:`~hicache.pools.DeviceKVPool` at the request's slots and reads every earlier
+token's K and V back from there (paged: the pool is the only KV storage).
+
+With ``ModelConfig(exact=True)`` every computation is laid out so that a token's logits do not depend
+on how the work was split (projections are per-row reductions of fixed length, each query attends
+over exactly its own prefix): on CPU float32 the logits of a request served from the cache equal
+those of a full recompute bit for bit, which is what proves that the loaded KV is the right KV in the
+right place. ``exact=False`` uses matmuls and fused attention (for benchmarks at real sizes).
+
+Tensor parallel: ``TinyLM(cfg, tp_group=group)`` is one rank of a head-parallel model (Megatron-style
+attention): rank ``r`` of ``T`` holds query heads ``[r * H/T, (r+1) * H/T)`` and their K/V heads (its pool
+has ``num_kv_heads / T`` heads: :meth:`TinyLM.pool`), computes attention for them only and all-gathers
+the heads' outputs (gloo) before the output projection; everything else is replicated. With ``exact``
+every head's computation is the same as on one rank, so every rank's logits equal a TP=1 recompute's bit
+for bit. An MLA model keeps the whole latent on every rank and splits only the query heads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..pools import DeviceKVPool
+
+__all__ = ["ModelConfig", "TinyLM"]
+
+# SDPA groups query heads over fewer K/V heads itself (no repeated K/V copies) from torch 2.5 on.
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Geometry of :class:`TinyLM` (its weights come from ``seed``)."""
+
+    num_layers: int = 4
+    hidden: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    vocab: int = 512
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+    # True: every token's computation independent of how the work is split (bit-identical logits on CPU
+    # float32 whether a prefix came from the cache or was recomputed; slow). False: matmuls and fused
+    # attention (for benchmarks at real sizes, on a GPU).
+    exact: bool = True
+    mla: bool = False  # cache a kv_lora-element latent per token (an MLA pool) instead of K and V heads
+    kv_lora: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "kv_lora"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: expected a divisor of num_heads ({self.num_heads}), got {self.num_kv_heads}"
+            )
+
+    def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
+        """A device KV pool shaped for this model (an MLA pool of ``kv_lora`` when ``mla``)."""
+        if self.mla:
+            return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=1, head_dim=self.kv_lora,
+                                dtype=self.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
+        return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=self.num_kv_heads,
+                            head_dim=self.head_dim, dtype=self.dtype, device=device, page_size=page_size)  # fmt: skip
+
+
+def _rowmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` as one fixed-length reduction per output element: a row's result does not depend on
+    how many rows are computed with it (a GEMM may pick another kernel, and another summation order,
+    for another batch size)."""
+    return (x.unsqueeze(-1) * w).sum(dim=-2)
+
+
+def _rmsnorm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+
+
+class TinyLM:
+    """The model (module docstring). ``forward`` runs new tokens of one sequence."""
+
+    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu", tp_group: Any = None) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = 0, 1
+        if tp_group is not None:
+            self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+            heads = cfg.num_heads if cfg.mla else cfg.num_kv_heads
+            if heads % self.tp_size:
+                raise ValueError(
+                    f"tp_group: {self.tp_size} ranks do not divide the model's {heads} "
+                    f"{'query' if cfg.mla else 'K/V'} heads"
+                )
+        self.q_heads = cfg.num_heads // self.tp_size  # this rank's query heads
+        self.kv_heads = 1 if cfg.mla else cfg.num_kv_heads // self.tp_size  # this rank's pool heads
+        g = torch.Generator().manual_seed(cfg.seed)
+        h, q, kv, f = cfg.hidden, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn
+
+        def w(*shape: int) -> torch.Tensor:
+            t = torch.randn(*shape, generator=g) / math.sqrt(shape[-2] if len(shape) > 1 else 1)
+            return t.to(device=self.device, dtype=cfg.dtype)
+
+        self.embed = w(cfg.vocab, h) * math.sqrt(h)
+        if cfg.mla:  # down to the latent, and up from it to every head's K and V
+            r = cfg.kv_lora
+            self.layers = [
+                {
+                    "wq": w(h, q),
+                    "wdkv": w(h, r),
+                    "wuk": w(r, q),
+                    "wuv": w(r, q),
+                    "wo": w(q, h),
+                    "w1": w(h, f),
+                    "w2": w(f, h),
+                }  # fmt: skip
+                for _ in range(cfg.num_layers)
+            ]
+        else:
+            self.layers = [
+                {"wq": w(h, q), "wk": w(h, kv), "wv": w(h, kv), "wo": w(q, h), "w1": w(h, f), "w2": w(f, h)}
+                for _ in range(cfg.num_layers)
+            ]
+        self.head = w(h, cfg.vocab)
+        inv = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
+        self._inv_freq = inv
+
+    def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
+        """A device KV pool for this rank: :meth:`ModelConfig.pool` with this rank's K/V heads."""
+        cfg = self.cfg
+        if cfg.mla:
+            return cfg.pool(num_slots, page_size, device)
+        return DeviceKVPool(num_slots=num_slots, num_layers=cfg.num_layers, head_num=self.kv_heads,
+                            head_dim=cfg.head_dim, dtype=cfg.dtype, device=device, page_size=page_size)  # fmt: skip
+
+    def positions(self, start: int, n: int) -> torch.Tensor:
+        pos = torch.arange(start, start + n, dtype=torch.float64)[:, None] * self._inv_freq[None]
+        return torch.cat([pos.sin(), pos.cos()], dim=-1).to(device=self.device, dtype=self.cfg.dtype)
+
+    def forward(
+        self,
+        pool: DeviceKVPool,
+        tokens: list[int],
+        start: int,
+        slots: torch.Tensor,
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[len(tokens), vocab]`` of ``tokens`` at positions ``start, start + 1, ...``.
+
+        ``slots`` are the device slots of positions ``0 .. start + len(tokens) - 1`` (the prefix's KV is
+        already there, or arriving: ``wait_layer(k)`` is called before layer ``k`` reads it).
+        """
+        return self.forward_batch(pool, [(tokens, start, slots)], wait_layer)[0]
+
+    def forward_batch(
+        self,
+        pool: DeviceKVPool,
+        seqs: list[tuple[list[int], int, torch.Tensor]],
+        wait_layer: Callable[[int], None] | None = None,
+        last_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """:meth:`forward` for several sequences at once, ``(tokens, start, slots)`` each: the rows of all
+        of them go through each projection together; attention stays within each sequence (a prefill
+        and the decode steps of other requests can share one call). ``last_only``: the logits of each
+        sequence's last token only (``[1, vocab]`` each; the output projection skips the other rows)."""
+        cfg = self.cfg
+        d = cfg.head_dim
+        group = cfg.num_heads // cfg.num_kv_heads
+        hq, hkv = self.q_heads, self.kv_heads
+        q0, kv0 = self.tp_rank * hq, self.tp_rank * hkv  # this rank's first query and K/V head
+        lens = [len(t) for t, _, _ in seqs]
+        n = sum(lens)
+        seqs = [(t, start, sl.to(self.device)) for t, start, sl in seqs]
+        ids = torch.tensor([tok for t, _, _ in seqs for tok in t], dtype=torch.int64, device=self.device)
+        x = self.embed[ids] + torch.cat([self.positions(start, len(t)) for t, start, _ in seqs])
+        scale = 1.0 / math.sqrt(d)
+        mm = _rowmm if cfg.exact else torch.matmul
+        for li, layer in enumerate(self.layers):
+            a = _rmsnorm(x)
+            q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)[:, q0 : q0 + hq]
+            if cfg.mla:
+                new = mm(a, layer["wdkv"])
+            else:
+                new = tuple(mm(a, layer[w]).view(n, cfg.num_kv_heads, d)[:, kv0 : kv0 + hkv] for w in ("wk", "wv"))
+            if wait_layer is not None:
+                wait_layer(li)  # the prefixes' K/V (latents) of this layer have landed in the pool
+            outs = []
+            row = 0
+            for (_, start, slots), m in zip(seqs, lens, strict=True):
+                q = q_all[row : row + m]
+                if cfg.mla:
+                    pkv = pool.kv[li]
+                    pkv[slots[start : start + m]] = new[row : row + m].view(m, 1, cfg.kv_lora)
+                    c = pkv[slots[: start + m]].view(start + m, cfg.kv_lora)
+                    keys = mm(c, layer["wuk"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]  # [S, Hq, d]
+                    vals = mm(c, layer["wuv"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]
+                else:
+                    pk, pv = pool.k[li], pool.v[li]
+                    pk[slots[start : start + m]] = new[0][row : row + m]
+                    pv[slots[start : start + m]] = new[1][row : row + m]
+                    keys, vals = pk[slots[: start + m]], pv[slots[: start + m]]  # [S, Hkv, d]
+                    if cfg.exact or not _SDPA_GQA:  # every query head its K/V head's copy: [S, Hq, d]
+                        keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
+                outs.append(self._attend(q, keys, vals, start, scale))
+                row += m
+            out = torch.cat(outs)
+            if self.tp_group is not None:  # every rank's heads, in head order, before the output projection
+                parts = [torch.empty_like(out) for _ in range(self.tp_size)]
+                dist.all_gather(parts, out.contiguous(), group=self.tp_group)
+                out = torch.cat(parts, dim=1)
+            x = x + mm(out.reshape(n, -1), layer["wo"])
+            x = x + mm(torch.nn.functional.gelu(mm(_rmsnorm(x), layer["w1"])), layer["w2"])
+        if last_only:
+            ends = torch.tensor(lens, device=self.device).cumsum(0) - 1
+            return list(mm(_rmsnorm(x[ends]), self.head).split(1))
+        logits = mm(_rmsnorm(x), self.head)
+        return list(logits.split(lens))
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of queries at positions ``start ..`` over ``keys``/``vals`` ``[S, H, d]``
+        (``H`` the query heads, or on the fast path the K/V heads, which SDPA groups itself)."""
+        cfg = self.cfg
+        m = len(q)
+        if cfg.exact:
+            out = torch.empty(m, q.shape[1], cfg.head_dim, dtype=cfg.dtype, device=self.device)
+            # Every reduction runs over the innermost, contiguous axis: its result per head does not depend
+            # on how many heads the tensor holds (a reduction over an outer axis vectorizes across the
+            # heads, and its rounding then changes with their number: TP ranks hold fewer).
+            vals_t = vals.permute(1, 2, 0).contiguous()  # [H, d, S]
+            for i in range(m):  # each query over exactly its own prefix: shapes independent of the batch
+                s = start + i + 1
+                scores = (q[i][None] * keys[:s]).sum(-1).t().contiguous()  # [Hq, s]
+                p = torch.softmax(scores * scale, dim=-1)
+                out[i] = (p[:, None, :] * vals_t[:, :, :s]).sum(-1)
+            return out
+        kw: dict = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
+        if m > 1:  # a decode step's one query sees every key: no mask
+            kw["attn_mask"] = (
+                torch.arange(start + m, device=self.device)[None]
+                <= torch.arange(start, start + m, device=self.device)[:, None]
+            )
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), **kw
+        ).transpose(0, 1)

@@ -1,0 +1,95 @@
+"""The engine serving over a cache with a TP group: two CPU ranks (gloo, spawned processes) serve the
+same requests with continuous batching, a full device pool and load-backs. Both produce the same
+tokens, bit for bit equal to a recompute, and the cache's agreements cost at most two collectives a
+step (the step's acks, and its load-back decisions when it made any), whatever the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch.distributed as dist
+from tpharness import rank_report, run_ranks
+
+WORLD = 2
+TIMEOUT_S = 300  # a hang detector, not a speed limit
+
+
+def rank_main(rank: int, init_file: str, out) -> None:
+    def work() -> dict:
+        from test_engine import CFG, PAGE, FakeClock, check_against_recompute, make_cache, staggered_requests
+
+        from hicache.serving.engine import Engine, TinyLM
+
+        model = TinyLM(CFG)
+        clock = FakeClock(step_s=0.5)
+        real = model.forward_batch
+
+        def forward_batch(pool, seqs, *args, **kwargs):  # the clock moves with each forward, as attach() does
+            clock.forwards.append([len(t) for t, _, _ in seqs])
+            clock.t += clock.step_s
+            return real(pool, seqs, *args, **kwargs)
+
+        model.forward_batch = forward_batch
+        calls = []
+        real_reduce = dist.all_reduce
+
+        def counting(t, *args, **kwargs):
+            calls.append(len(clock.forwards))  # the step it belongs to
+            return real_reduce(t, *args, **kwargs)
+
+        dist.all_reduce = counting
+        pool = CFG.pool(64, PAGE)
+        reqs = staggered_requests(n=16, clients=8)
+        # Two waves: the first 8 conversations' first turns over time, then all their second turns at
+        # once, whose prefixes the first wave pushed to the host: several load-backs in one step.
+        first, second = reqs[:8], [dataclasses.replace(q, arrival=0.0) for q in reqs[8:]]
+        loads: list[int] = []
+        with make_cache(pool, threaded=False, tp_group=dist.group.WORLD) as cache:
+            real_load_back = cache.load_back
+
+            def load_back(*args, **kwargs):
+                loads.append(len(clock.forwards))
+                return real_load_back(*args, **kwargs)
+
+            cache.load_back = load_back
+            engine = Engine(model, pool, cache)
+            results = engine.serve(first, max_running=3, clock=clock, idle=clock.idle)
+            results += engine.serve(second, max_running=8, clock=clock, idle=clock.idle)
+            dist.all_reduce = real_reduce
+            cache.flush()
+            cache.verify()
+            metrics = cache.metrics
+            load_backs = metrics.load_backs
+        check_against_recompute(model, reqs, results)
+        return dict(
+            tokens={r.rid: r.tokens for r in results},
+            host_hits=sum(r.host_hit for r in results),
+            load_backs=load_backs,
+            steps=len(clock.forwards),
+            most_collectives_a_step=max(Counter(calls).values()),
+            most_load_backs_a_step=max(Counter(loads).values()),
+            collectives=len(calls),
+        )
+
+    rank_report(rank, WORLD, init_file, 60, out, work)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> dict[int, dict]:
+    init_file = str(tmp_path_factory.mktemp("tpe") / "store")
+    return run_ranks(rank_main, (init_file,), WORLD, TIMEOUT_S, grace_s=70)
+
+
+def test_ranks_serve_the_same_tokens_equal_to_recompute(served):
+    a, b = served[0], served[1]
+    assert a["tokens"] == b["tokens"]  # each rank also checked its own against a recompute, bit for bit
+    assert a["load_backs"] == b["load_backs"] > 0 and a["host_hits"] > 0
+
+
+def test_the_cache_agrees_at_most_twice_a_step(served):
+    a, b = served[0], served[1]
+    assert a["collectives"] == b["collectives"] > 0
+    assert a["most_load_backs_a_step"] >= 3, a  # several requests loaded back in one step...
+    assert a["most_collectives_a_step"] <= 2, a  # ...agreed once: the step's acks, its load-back decisions
