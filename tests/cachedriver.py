@@ -23,7 +23,7 @@ from hicache.cache.radix_cache import TreeNode
 from hicache.storage import FileBackend, StorageBackend
 from hicache.storage.tier import PrefetchPolicy
 
-from cachedata import check_kv
+from cachedata import check_kv, fingerprint, host_reads, kv_index, launch_on_current, slot_key
 
 L, H, D = 2, 1, 4
 VOCAB = 3  # few token ids: sequences share prefixes often
@@ -64,26 +64,31 @@ def build(
 # KV data: vectorized twins of cachedata.kv_value / write_kv / check_kv
 # ---------------------------------------------------------------------------------------------------
 
-_HEAD = torch.arange(H * D, dtype=torch.float32).reshape(H, D)
-_LAYER_KV = torch.tensor([[layer * 10 + kv for layer in range(L)] for kv in (0, 1)], dtype=torch.float32)
+# cachedata.kv_index for every (K/V, layer), the first H heads: [2, L, H, D]
+_LOW = torch.stack([torch.stack([kv_index(layer, kv)[:H] for layer in range(L)]) for kv in (0, 1)])
 
 
 def expected_kv(tokens: list[int] | tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
     """``[2 (k/v), L, n, H, D]``: cachedata.kv_value(token, position, layer, kv) for every token."""
-    tok = torch.tensor(tokens, dtype=torch.float32)
-    base = tok * 1_000_000 + positions.to(torch.float32) * 1_000  # exact in float32: < 2**24
-    return base[None, None, :, None, None] + _LAYER_KV[:, :, None, None, None] + _HEAD
+    key = slot_key(torch.tensor(tokens, dtype=torch.int64), positions.to(torch.int64))
+    return fingerprint(key[None, None, :, None, None], _LOW[:, :, None])
 
 
 def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start: int) -> None:
-    """What a forward pass would write for ``tokens`` at positions ``start...`` into ``slots``."""
+    """What a forward pass would write for ``tokens`` at positions ``start...`` into ``slots`` (queued on
+    the current stream under a deferred device model: cachedata.launch_on_current)."""
     if len(slots):
         e = expected_kv(tokens, torch.arange(start, start + len(tokens)))
-        cache.device_pool.k[:, slots] = e[0]
-        cache.device_pool.v[:, slots] = e[1]
+
+        def write() -> None:
+            cache.device_pool.k[:, slots] = e[0]
+            cache.device_pool.v[:, slots] = e[1]
+
+        launch_on_current(cache, slots, write, "the driver's forward writing KV")
 
 
 def device_kv_ok(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, positions: torch.Tensor) -> bool:
+    host_reads(cache)
     e = expected_kv(tokens, positions)
     return torch.equal(cache.device_pool.k[:, slots], e[0]) and torch.equal(cache.device_pool.v[:, slots], e[1])
 

@@ -100,9 +100,22 @@ def make_pools(
 
 
 def make_indices(kind: str, n_dev: int, n_host: int, page_size: int, count: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Duplicate-free index pairs: ``random`` token permutations, or whole ``pages`` (runs)."""
+    """Duplicate-free index pairs: ``random`` token permutations, whole ``pages`` (runs), or runs
+    ``crossing`` a host page boundary: consecutive on both sides, each starting at another offset inside
+    a host page (1 .. page - 1) and one page long, so that each crosses exactly one boundary there (with
+    page size 1, runs of 4 at arbitrary offsets)."""
     gen = torch.Generator().manual_seed(seed + 1)
     count = min(count, n_dev, n_host)
+    if kind == "crossing":
+        p = max(page_size, 4)
+        runs = min(n_dev // p, n_host // (2 * p), max(2, count // p))
+        if runs < 1:
+            raise ValueError(f"crossing runs of {p} slots need {p} device, {2 * p} host slots; got {n_dev}, {n_host}")
+        db = torch.randperm(n_dev // p, generator=gen)[:runs]  # device: no pages, any p-aligned run
+        hb = torch.randperm(n_host // (2 * p), generator=gen)[:runs]  # host: two pages per run, disjoint
+        off = torch.tensor([1 + (i * 5 + seed) % (p - 1) for i in range(runs)])
+        run = torch.arange(p)
+        return (db[:, None] * p + run).reshape(-1), (hb[:, None] * 2 * p + off[:, None] + run).reshape(-1)
     if kind == "random":
         d = torch.randperm(n_dev, generator=gen)[:count]
         h = torch.randperm(n_host, generator=gen)[:count]

@@ -231,16 +231,40 @@ def test_policy_lookup():
 
 
 def test_metrics_count_hits_per_tier():
+    """Exact counts: hits per tier and misses (a host hit is not a miss), tokens and bytes moved each
+    way (bytes, not tokens), and the copy times summed over the copies (each copy's time fixed here)."""
     with make_cache(device_slots=32) as c:
+        bps = c.device_pool.bytes_per_slot
+        c.controller.device.elapsed_s = lambda start, end: 0.25  # every copy takes 0.25 s
         toks = list(range(20))
-        prefill(c, toks)
+        prefill(c, toks)  # a miss of 20 tokens, then a backup of 20
         c.flush()
-        c.evict(10)
-        c.match_prefix(toks + [99])
         m = c.metrics.as_dict()
-        assert m["device_hit_tokens"] == 0 and m["host_hit_tokens"] == 20 and m["miss_tokens"] >= 1
-        assert m["tokens_written"] == 20 and m["bytes_written"] == 20 * c.device_pool.bytes_per_slot
+        assert (m["device_hit_tokens"], m["host_hit_tokens"], m["miss_tokens"]) == (0, 0, 20)
+        assert (m["tokens_written"], m["bytes_written"], m["write_time_s"]) == (20, 20 * bps, 0.25)
+        c.evict(20)
+        match = c.match_prefix(toks + [99])  # 20 on the host, 1 nowhere
+        m = c.metrics.as_dict()
+        assert (m["device_hit_tokens"], m["host_hit_tokens"], m["miss_tokens"]) == (0, 20, 21)
         assert m["device_evicted_tokens"] == 20
+        assert c.load_back(match.last_host_node) is not None
+        c.start_loading()
+        c.flush()
+        m = c.metrics.as_dict()
+        assert (m["tokens_loaded"], m["bytes_loaded"], m["load_time_s"], m["load_backs"]) == (20, 20 * bps, 0.25, 1)
+        assert m["load_gbps"] == 20 * bps / 0.25 / 1e9 and m["write_gbps"] == 20 * bps / 0.25 / 1e9
+        c.match_prefix(toks)  # all 20 on the device now
+        c.match_prefix(toks[:4] + [77, 78])
+        m = c.metrics.as_dict()
+        assert (m["device_hit_tokens"], m["host_hit_tokens"], m["miss_tokens"]) == (24, 20, 23)
+        # A second load-back sums its time onto the first's.
+        c.evict(20)
+        match = c.match_prefix(toks)
+        assert c.load_back(match.last_host_node) is not None
+        c.start_loading()
+        c.flush()
+        m = c.metrics.as_dict()
+        assert (m["tokens_loaded"], m["bytes_loaded"], m["load_time_s"], m["load_backs"]) == (40, 40 * bps, 0.5, 2)
 
 
 def test_threaded_cache_closes_cleanly():

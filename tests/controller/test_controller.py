@@ -34,27 +34,35 @@ def pools(device="cpu", pin=False, layout="page_first", page_size=1):
 
 
 def test_layer_counter_blocks_until_the_layer_is_loaded():
+    """The consumer waits at each layer until that layer is issued: seen to be at its first wait (not
+    merely not started), through exactly the issued layers, then blocked at the next."""
     counter = LayerDoneCounter(3)
     counter.wait_until(2)  # nothing in flight: ready at once
     counter.start()
     seen = []
+    at_wait = threading.Event()
 
     def consumer():
         for layer in range(3):
+            at_wait.set()
             counter.wait_until(layer)
             seen.append(layer)
 
-    t = threading.Thread(target=consumer)
+    t = threading.Thread(target=consumer, daemon=True)
     t.start()
-    time.sleep(0.05)
-    assert seen == []
+    assert at_wait.wait(5)  # the consumer has reached wait_until(0)
+    t.join(0.1)
+    assert t.is_alive() and seen == []  # blocked there: layer 0 is not issued
     counter.layer_issued(0)
     counter.layer_issued(1)
-    time.sleep(0.05)
-    assert seen == [0, 1]
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    t.join(0.1)
+    assert t.is_alive() and seen == [0, 1]  # through the issued layers, blocked at layer 2
     counter.layer_issued(2)
-    t.join(5)
-    assert seen == [0, 1, 2] and counter.layers_done == 3
+    t.join(10)
+    assert not t.is_alive() and seen == [0, 1, 2] and counter.layers_done == 3
 
 
 def test_layer_counter_keeps_overlapping_batches_apart():
@@ -590,6 +598,7 @@ def test_selective_backups_of_one_match_go_in_one_copy(monkeypatch):
     backups = []
     wrap_copies(monkeypatch, "backup", lambda issue, call: (backups.append(len(call.device_indices)), issue()))
     c.match_prefix(list(range(16)))  # both cross the threshold on this hit
+    c.flush()  # under the deferred model the copy runs once the KV it reads has been written
     assert backups == [16]  # one op for the two nodes
     c.check_writes()
     c.verify()

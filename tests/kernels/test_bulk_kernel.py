@@ -212,7 +212,17 @@ def test_bulk_schedule_checks_like_the_launcher(C, case: str) -> None:
 
 @needs_extension
 def test_transfer_bulk_with_no_pairs_launches_nothing(C) -> None:
-    C.transfer_bulk(**bulk_args(n=0, src_idx_ptr=0, dst_idx_ptr=0))  # no CUDA call at all, even without a GPU
+    """n == 0 returns before any CUDA call: here, where any CUDA call fails (no driver), it returns; with a
+    pair to move the same call reaches CUDA and fails. On a GPU the empty call must leave the stream idle."""
+    if torch.cuda.is_available():
+        stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        C.transfer_bulk(**bulk_args(n=0, src_idx_ptr=0, dst_idx_ptr=0, stream=stream.cuda_stream))
+        assert stream.query()  # nothing was enqueued on it
+        return
+    assert C.transfer_bulk(**bulk_args(n=0, src_idx_ptr=0, dst_idx_ptr=0)) is None
+    with pytest.raises(RuntimeError, match="launch_transfer_bulk failed: cuda"):
+        C.transfer_bulk(**bulk_args(n=1))
 
 
 # ------------------------------------------------------------------------------------ host emulation

@@ -54,11 +54,32 @@ def test_copy_engine_backends_match_reference(backend, layout, mla, dtype, page_
 
 @pytest.mark.parametrize("backend", ["direct", "batch"])
 @pytest.mark.parametrize(("layout", "mla"), LAYOUT_KINDS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("indices", ["random", "pages"])
+@pytest.mark.parametrize("indices", ["random", "pages", "crossing"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_runs_and_pool_forms(backend, layout, mla, indices, stacked, direction):
     run_case(backend, layout, mla, torch.bfloat16, 16, direction, None, stacked=stacked, indices=indices)
+
+
+@pytest.mark.parametrize("backend", ["direct", "batch", "triton", "auto"])
+@pytest.mark.parametrize(("layout", "mla"), LAYOUT_KINDS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_runs_crossing_host_pages(backend, layout, mla, page_size, direction):
+    """Runs consecutive on both sides that cross a host page boundary: every backend splits them there
+    (in page_first_direct and page_head the next page is elsewhere in memory)."""
+    run_case(backend, layout, mla, torch.float16, page_size, direction, None, indices="crossing", num_layers=2,
+             device_slots=32, host_pages=4)  # fmt: skip
+
+
+def test_crossing_indices_cross_host_pages():
+    """The ``crossing`` index kind does what the tests above rely on: every run crosses one boundary."""
+    for page_size in (4, 16, 64):
+        d, h = make_indices("crossing", 256, 4 * page_size, page_size, count=40, seed=page_size)
+        assert len(set(d.tolist())) == d.numel() and len(set(h.tolist())) == h.numel()
+        inside = (d[1:] == d[:-1] + 1) & (h[1:] == h[:-1] + 1)  # pairs continuing a run on both sides
+        crossings = int((inside & (h[1:] % page_size == 0)).sum())
+        assert crossings == d.numel() // page_size >= 2
 
 
 # (head_num, head_dim, dtype): item sizes of 2, 6, 15, 656 and 1030 bytes.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hicache_kernels import layouts, ops
-from hicache_kernels.backends import AutoBackend, BatchBackend, get_backend
+from hicache_kernels.backends import AutoBackend, BatchBackend, KernelBackend, get_backend
 
 from kvdata import expected_after, make_indices, make_pools
 
@@ -50,6 +50,17 @@ def test_backends_match_reference_on_gpu(backend, layout, mla, dtype, page_size,
     gpu_case(chosen, layout, mla, dtype, page_size, direction, layer_id, stacked=page_size != 16, stream=stream)
     if backend == "batch":  # on a side stream the batch call itself must have run, not 'direct'
         assert chosen.last_fallback is None, f"batch fell back to direct: {chosen.last_fallback}"
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "kernel-bulk", "staged"])
+@pytest.mark.parametrize(("layout", "mla"), LAYOUT_KINDS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_runs_crossing_host_pages_on_gpu(backend, layout, mla, page_size, direction):
+    """Runs consecutive on both sides that cross a host page boundary, on every GPU backend."""
+    stream = torch.cuda.Stream() if backend in ("batch", "staged") else None
+    chosen = KernelBackend(design="bulk") if backend == "kernel-bulk" else backend
+    gpu_case(chosen, layout, mla, torch.bfloat16, page_size, direction, None, indices="crossing", stream=stream)
 
 
 # (head_num, head_dim, dtype): item sizes 2, 6, 15, 656, 1030 bytes (16-byte vectors only for 656).

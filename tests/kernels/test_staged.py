@@ -32,11 +32,11 @@ def n_host(pools) -> int:
 
 
 def case(backend, layout, mla, page_size, direction, layer_id, *, kind="random", shape=SHAPES[2], stacked=True,
-         device="cpu", count=40, seed=0):  # fmt: skip
+         device="cpu", count=40, seed=0, num_layers=3):  # fmt: skip
     head_num, head_dim, dtype = shape
     pools = make_pools(layout=layout, mla=mla, dtype=dtype, page_size=page_size, direction=direction,
                        head_num=head_num, head_dim=head_dim, stacked=stacked, device=device, pin=device != "cpu",
-                       host_pages=6, seed=seed)  # fmt: skip
+                       host_pages=6, seed=seed, num_layers=num_layers)  # fmt: skip
     d_idx, h_idx = make_indices(kind, 96, n_host(pools), page_size, count=count, seed=seed + page_size)
     expected = expected_after(pools, direction, d_idx, h_idx, layer_id)
     plan = ops.build_plan(direction, pools.device_k, pools.device_v, pools.host, d_idx.to(device), h_idx.to(device),
@@ -48,7 +48,7 @@ def case(backend, layout, mla, page_size, direction, layer_id, *, kind="random",
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("layer_id", [None, 1], ids=["all", "layer1"])
-@pytest.mark.parametrize("kind", ["random", "pages"])
+@pytest.mark.parametrize("kind", ["random", "pages", "crossing"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["item6", "item15", "item32"])
 def test_matches_reference(layout, mla, direction, page_size, layer_id, kind, shape):
     # One staging page: many blocks, so both buffers are used and runs are cut at block ends.
@@ -58,6 +58,21 @@ def test_matches_reference(layout, mla, direction, page_size, layer_id, kind, sh
     issue = backend.prepare(plan)
     assert len(issue.blocks) > 1
     issue()
+    assert pools.equal(expected)
+
+
+@pytest.mark.parametrize(("layout", "mla"), LAYOUT_KINDS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("num_layers", [1, 2, 4])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_layer_counts_and_pool_forms(layout, mla, num_layers, stacked, page_size, direction):
+    """Runs of staging rows are found per (layer) tensor: list pools put each layer in its own tensor,
+    stacked pools one tensor for all, and the row runs differ with the layer count."""
+    backend = StagedBackend(staging_pages=1)
+    plan, pools, expected = case(backend, layout, mla, page_size, direction, None, kind="random", stacked=stacked,
+                                 num_layers=num_layers, count=24)  # fmt: skip
+    backend.prepare(plan)()
     assert pools.equal(expected)
 
 

@@ -379,3 +379,29 @@ def test_threaded_cache_over_the_model_with_a_concurrent_reader():
         c.flush()
         assert model.hazards == []
         c.verify()
+
+
+def test_two_queued_writes_of_one_slot_land_in_stream_order():
+    """A slot written, freed, taken again and written before either write ran (one stream, as a
+    forward does): no hazard; while the later write is queued the slot keeps its poison (a reader must
+    wait for it), and the later write's bytes are what lands."""
+    model = DeferredDevice(seed=0, step_probability=0.0)
+    dev, _ = pools(slots=8)
+    slots = torch.tensor([1, 2])
+    first, second = torch.randn(L, 2, H, D), torch.randn(L, 2, H, D)
+    current = model.current_stream()
+
+    def write(values):
+        def work(_):
+            dev.k[:, slots] = values
+
+        return work
+
+    model.launch(current, write(first), writes=[KVRegion(dev, slots)], what="first forward")
+    after_first = model.new_event()
+    after_first.record(current)
+    model.launch(current, write(second), writes=[KVRegion(dev, slots)], what="second forward")
+    after_first.synchronize()  # the first write runs; the second is still queued
+    assert (dev.k[:, slots].view(torch.uint8) == POISON).all()
+    current.synchronize()
+    assert torch.equal(dev.k[:, slots], second) and model.hazards == []

@@ -394,6 +394,8 @@ class Engine:
         waited = [0.0]
         seqs = [(r.req.prompt[r.prefix :], r.prefix, r.slots) for r in new]
         seqs += [([r.out[-1]], len(r.req.prompt) + len(r.out) - 1, r.slots) for r in running]
+        device = None
+        write_kv = None
         try:
             if cache is not None:
                 device = cache.controller.device
@@ -415,9 +417,17 @@ class Engine:
 
                 if generation or read:
                     wait = wait_and_check
+                if device.tracks_regions:  # the forward's K/V writes are work on the current stream
+                    current = device.current_stream()
 
-            logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True)
+                    def write_kv(layer: int, slots: torch.Tensor, write: Callable[[], None]) -> None:
+                        device.launch(current, lambda _: write(), writes=[KVRegion(self.pool, slots, (layer,))],
+                                      what=f"the forward writing layer {layer}")  # fmt: skip
+
+            logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True, write_kv=write_kv)
         except BaseException:  # a load that could not start, a failed wait or forward: give back what new hold
+            if device is not None:  # but first let the layers already issued finish writing into those slots
+                device.current_stream().synchronize()
             self._unwind(new)
             raise
         rows = torch.cat(logits)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -76,6 +77,12 @@ class ModelConfig:
                                 dtype=self.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
         return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=self.num_kv_heads,
                             head_dim=self.head_dim, dtype=self.dtype, device=device, page_size=page_size)  # fmt: skip
+
+
+def _put(pools: tuple[torch.Tensor, ...], slots: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
+    """Write ``values[i]`` into ``pools[i]`` at ``slots`` (one layer's K and V, or its latents)."""
+    for pool, value in zip(pools, values, strict=True):
+        pool[slots] = value
 
 
 def _rowmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -171,11 +178,17 @@ class TinyLM:
         seqs: list[tuple[list[int], int, torch.Tensor]],
         wait_layer: Callable[[int], None] | None = None,
         last_only: bool = False,
+        write_kv: Callable[[int, torch.Tensor, Callable[[], None]], None] | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`forward` for several sequences at once, ``(tokens, start, slots)`` each: the rows of all
         of them go through each projection together; attention stays within each sequence (a prefill
         and the decode steps of other requests can share one call). ``last_only``: the logits of each
-        sequence's last token only (``[1, vocab]`` each; the output projection skips the other rows)."""
+        sequence's last token only (``[1, vocab]`` each; the output projection skips the other rows).
+
+        The new tokens' K/V (latents) go into the pool by ``write_kv(layer, slots, write)`` (default: the
+        write runs at once): an engine under a device model that completes work later queues it on the
+        current stream. Attention reads the prefix from the pool and the new tokens' K/V from the
+        projection itself, the same values, so it never reads back a write still in flight."""
         cfg = self.cfg
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
@@ -188,6 +201,7 @@ class TinyLM:
         x = self.embed[ids] + torch.cat([self.positions(start, len(t)) for t, start, _ in seqs])
         scale = 1.0 / math.sqrt(d)
         mm = _rowmm if cfg.exact else torch.matmul
+        put = write_kv if write_kv is not None else (lambda layer, slots, write: write())
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
             q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)[:, q0 : q0 + hq]
@@ -201,17 +215,20 @@ class TinyLM:
             row = 0
             for (_, start, slots), m in zip(seqs, lens, strict=True):
                 q = q_all[row : row + m]
+                into = slots[start : start + m]
                 if cfg.mla:
                     pkv = pool.kv[li]
-                    pkv[slots[start : start + m]] = new[row : row + m].view(m, 1, cfg.kv_lora)
-                    c = pkv[slots[: start + m]].view(start + m, cfg.kv_lora)
+                    latent = new[row : row + m].view(m, 1, cfg.kv_lora).to(pkv.dtype)
+                    put(li, into, partial(_put, (pkv,), into, (latent,)))
+                    c = torch.cat([pkv[slots[:start]], latent]).view(start + m, cfg.kv_lora)
                     keys = mm(c, layer["wuk"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]  # [S, Hq, d]
                     vals = mm(c, layer["wuv"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]
                 else:
                     pk, pv = pool.k[li], pool.v[li]
-                    pk[slots[start : start + m]] = new[0][row : row + m]
-                    pv[slots[start : start + m]] = new[1][row : row + m]
-                    keys, vals = pk[slots[: start + m]], pv[slots[: start + m]]  # [S, Hkv, d]
+                    k_new, v_new = new[0][row : row + m].to(pk.dtype), new[1][row : row + m].to(pv.dtype)
+                    put(li, into, partial(_put, (pk, pv), into, (k_new, v_new)))
+                    keys = torch.cat([pk[slots[:start]], k_new])  # [S, Hkv, d]
+                    vals = torch.cat([pv[slots[:start]], v_new])
                     if cfg.exact or not _SDPA_GQA:  # every query head its K/V head's copy: [S, Hq, d]
                         keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
                 outs.append(self._attend(q, keys, vals, start, scale))

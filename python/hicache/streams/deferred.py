@@ -300,8 +300,11 @@ class DeferredDevice:
         return max(0.0, end.t - start.t)
 
     def check_read(self, regions: Sequence[KVRegion], what: str) -> None:
-        """The host reads ``regions`` now: none may be the destination of a queued copy."""
+        """Work on the pools' current stream (the forward) reads ``regions`` now: what that stream has
+        queued runs first (it is ordered before), then none of ``regions`` may be the destination of a
+        copy still queued on another stream."""
         with self._lock:
+            self._sync_stream(self.current_stream())
             for r in regions:
                 for sp in _spans(r):
                     self._check_unwritten(sp, what)
@@ -447,13 +450,27 @@ class DeferredDevice:
             self.ran_late += 1
         if item.work is None:
             for sp, result in zip(item.writes, item.result, strict=True):
-                sp.flat[sp.idx] = result.reshape(-1)
+                later = self._later_writer(sp)
+                if not later.any():
+                    sp.flat[sp.idx] = result.reshape(-1)
+                else:  # a later launch on these chunks has not run: they keep its poison until it does
+                    mine = torch.from_numpy(~later)
+                    sp.flat[sp.idx.view(-1, sp.width)[mine].reshape(-1)] = result[mine].reshape(-1)
             return
         try:  # its source was still being filled at launch: the copy itself runs now
             item.work(None)
         except Exception as exc:  # an asynchronous error: sticky on the stream
             item.error = exc
             item.stream.errors.append((item.seq, exc))
+        for sp in item.writes:  # chunks a later launch will write keep its poison until it runs
+            later = self._later_writer(sp)
+            if later.any():
+                sp.flat[sp.idx.view(-1, sp.width)[torch.from_numpy(later)].reshape(-1)] = POISON
+
+    def _later_writer(self, sp: _Span) -> np.ndarray:
+        """Per chunk of ``sp``: another launch, issued later and not run yet, writes it too (two writes
+        in stream order, e.g. a slot written, freed, taken again and written before either ran)."""
+        return np.fromiter((a in self._writers for a in sp.addrs), bool, len(sp.addrs))
 
     def _forget(self, item: _Item) -> None:
         for sp in item.writes:

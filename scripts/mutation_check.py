@@ -1,0 +1,299 @@
+"""The mutation check: deliberately broken copies of the code must each fail a test.
+
+Each mutant below is one small edit that corrupts data or breaks a documented rule (an ordering, an
+invariant, a byte format, a counter), each one a blind spot the suite once had. The script copies the
+repository (tracked and untracked-not-ignored files, plus the built extensions) to a temporary folder,
+checks that every mutant's tests pass there unmutated, then applies each edit in turn and runs its tests
+(``pytest -x``, under the deferred device model where the rule is about ordering) with imports taken
+from the copy. A mutant that no test catches, an edit whose text is no longer in the code, or a
+baseline that fails makes the script exit 1; it prints which test caught each mutant, and how long that
+took.
+
+    python scripts/mutation_check.py [--only NAME[,NAME...]] [--list] [--json PATH]
+
+Run it from the repository's environment after building (``bash scripts/setup.sh``): the copy reuses the
+built ``hicache_kernels._C`` and ``hicache._core``. When you add a rule, add its mutant here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFERRED = {"HICACHE_DEFERRED_SEED": "1"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    why: str  # what it breaks, and which issue item it stands for
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+    env: dict[str, str] = field(default_factory=dict)
+
+
+_LAUNCH_LAYER = (
+    "                self._launch(stream, lambda s, layer=layer: loads(layer), op, (hp, h_idx), (dp, d_idx), layer)\n"
+)
+_SIGNAL_LAYER = "                self.layer_counter.layer_issued(layer, stream, op.generation)\n"
+CACHE_SUITES = ("tests/cache/test_radix_cache.py", "tests/controller/test_controller.py")
+
+MUTANTS = [
+    Mutant(
+        "runs-cross-source-pages",
+        "find_runs does not split a run at a source page boundary (30 #1)",
+        "hicache_kernels/fragments.py",
+        "        cont &= s[1:] % src_page != 0\n",
+        "        pass\n",
+        ("tests/kernels/test_ops.py", "-k", "crossing"),
+    ),
+    Mutant(
+        "runs-cross-destination-pages",
+        "find_runs does not split a run at a destination page boundary (30 #1)",
+        "hicache_kernels/fragments.py",
+        "        cont &= d[1:] % dst_page != 0\n",
+        "        pass\n",
+        ("tests/kernels/test_ops.py", "-k", "crossing"),
+    ),
+    Mutant(
+        "kv-fingerprint-repeats",
+        "the cache tests' KV fingerprint rounds away everything but token and position (30 #2)",
+        "tests/cachedata.py",
+        "    return fingerprint(slot_key(token, position), kv_index(layer, kv))\n",
+        "    return torch.full((HEAD_NUM, HEAD_DIM), float(token * 1_000_000 + position * 1_000))\n",
+        ("tests/cache/test_byte_format.py", "-k", "fingerprint"),
+    ),
+    Mutant(
+        "controller-swaps-k-and-v",
+        "the controller binds V as K and K as V: round trips still agree, the stored format does not (30 #3)",
+        "python/hicache/controller/controller.py",
+        "self.binding = KVBinding(device_pool.device_k, device_pool.device_v, host_pool.buffer,",
+        "self.binding = KVBinding(*((device_pool.device_v, device_pool.device_k) if device_pool.device_v is not None "
+        "else (device_pool.device_k, None)), host_pool.buffer,",
+        ("tests/cache/test_byte_format.py",),
+    ),
+    Mutant(
+        "lfu-is-lru",
+        "LFU orders by last access alone (30 #4)",
+        "python/hicache/tree/policies.py",
+        "        return (node.hit_count, node.last_access_time, node.id)\n",
+        "        return (node.last_access_time, node.id)\n",
+        ("tests/tree/test_policies.py",),
+    ),
+    Mutant(
+        "slru-threshold-off-by-one",
+        "SLRU protects a node only past protected_hits, not at it (30 #4)",
+        "python/hicache/tree/policies.py",
+        "node.hit_count >= self.protected_hits",
+        "node.hit_count > self.protected_hits",
+        ("tests/tree/test_policies.py",),
+    ),
+    Mutant(
+        "misses-include-host-hits",
+        "miss_tokens counts host hits as misses (30 #5)",
+        "python/hicache/cache/lookups.py",
+        "        m.miss_tokens += len(tokens) - dev_len - host_len\n",
+        "        m.miss_tokens += len(tokens) - dev_len\n",
+        ("tests/cache/test_radix_cache.py", "-k", "metrics"),
+    ),
+    Mutant(
+        "bytes-loaded-in-tokens",
+        "bytes_loaded counts tokens (30 #5)",
+        "python/hicache/controller/copy_completions.py",
+        "            m.bytes_loaded += nbytes\n",
+        "            m.bytes_loaded += ack.tokens\n",
+        ("tests/cache/test_radix_cache.py", "-k", "metrics"),
+    ),
+    Mutant(
+        "load-time-not-summed",
+        "load_time_s is never added to (30 #5)",
+        "python/hicache/controller/copy_completions.py",
+        "            m.load_time_s += elapsed\n",
+        "            pass\n",
+        ("tests/cache/test_radix_cache.py", "-k", "metrics"),
+    ),
+    Mutant(
+        "staged-span-loosened",
+        "the staged backend takes scattered staging rows for one contiguous span (30 #6)",
+        "hicache_kernels/backends/staged.py",
+        "if pos[-1] - pos[0] == pos.size - 1 else None",
+        "if pos[-1] - pos[0] <= pos.size else None",
+        ("tests/kernels/test_staged.py", "-k", "layer_counts"),
+    ),
+    Mutant(
+        "backup-ignores-ready-event",
+        "a backup does not wait for the KV its forward is still writing (30 #7)",
+        "python/hicache/controller/controller.py",
+        "        if op.ready is not None:\n            stream.wait_event(op.ready)\n",
+        "        if op.ready is not None:\n            pass\n",
+        CACHE_SUITES,
+        DEFERRED,
+    ),
+    Mutant(
+        "deferred-model-overwrites-a-later-write",
+        "the deferred model lands an earlier queued write over a later one's poison (a false hazard, and a "
+        "reader of the later write's slots not caught)",
+        "python/hicache/streams/deferred.py",
+        "                later = self._later_writer(sp)\n                if not later.any():",
+        "                later = np.zeros(len(sp.addrs), bool)\n                if not later.any():",
+        ("tests/streams/test_deferred.py",),
+    ),
+    Mutant(
+        "backup-does-not-lock-its-node",
+        "a backup in flight does not lock its node: it can be evicted under the copy (30 #8)",
+        "python/hicache/cache/copy_acks.py",
+        "        self.tree.inc_lock_ref(node)  # released by the ack\n",
+        "        pass\n",
+        CACHE_SUITES,
+        DEFERRED,
+    ),
+    Mutant(
+        "write-back-eviction-does-not-wait",
+        "write-back eviction drops the device copy before its host copy has landed (30 #8)",
+        "python/hicache/cache/radix_cache.py",
+        "                    self.controller.flush()\n                    self.check_acks()\n",
+        "                    self.check_acks()\n",
+        CACHE_SUITES,
+        DEFERRED,
+    ),
+    Mutant(
+        "load-back-host-slots-not-held",
+        "a load-back's host slots stay SYNCED (evictable) while the copy reads them (30 #8)",
+        "python/hicache/controller/controller.py",
+        "        self.host_pool.mark_loading(host_indices)\n        self._pending_loads.append(",
+        "        self._pending_loads.append(",
+        CACHE_SUITES,
+        DEFERRED,
+    ),
+    Mutant(
+        "layer-signalled-before-issued",
+        "a layer of a load-back is signalled done before its copy is issued (30 #8)",
+        "python/hicache/controller/controller.py",
+        _LAUNCH_LAYER + _SIGNAL_LAYER,
+        _SIGNAL_LAYER + _LAUNCH_LAYER,
+        ("tests/serving/test_engine.py", "tests/controller/test_layer_counter.py"),
+        DEFERRED,
+    ),
+]
+
+
+def repo_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                         capture_output=True, check=True).stdout.decode()  # fmt: skip
+    return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+
+
+def built() -> list[Path]:
+    found = [*ROOT.glob("hicache_kernels/_C*.so"), *ROOT.glob("python/hicache/_core*.so")]
+    meta = ROOT / "hicache_kernels" / "_build_meta.json"
+    if not any(p.name.startswith("_core") for p in found) or not meta.exists():
+        sys.exit("mutation_check: build the package first (bash scripts/setup.sh): hicache._core is not built")
+    return [*found, meta]
+
+
+def copy_tree(dest: Path) -> None:
+    for f in repo_files():
+        target = dest / f
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, target)
+    for p in built():
+        shutil.copy2(p, dest / p.relative_to(ROOT))
+
+
+def run_pytest(copy: Path, args: tuple[str, ...], env: dict[str, str], stop_early: bool) -> tuple[int, str, float]:
+    full_env = {k: v for k, v in os.environ.items() if k != "HICACHE_DEFERRED_SEED"}  # only where a mutant says
+    full_env.update(env, PYTHONPATH=f"{copy}{os.pathsep}{copy / 'python'}", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "not slow and not build",
+           *(["-x"] if stop_early else []), *args]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=copy, env=full_env, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0
+
+
+def first_failure(output: str) -> str | None:
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" - ")[0]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/mutation_check.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", help="comma-separated mutant names")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    mutants = MUTANTS
+    if a.only:
+        names = a.only.split(",")
+        unknown = sorted(set(names) - {m.name for m in MUTANTS})
+        if unknown:
+            p.error(f"--only: no mutant named {', '.join(unknown)}")
+        mutants = [m for m in MUTANTS if m.name in names]
+    if a.list:
+        for m in mutants:
+            print(f"{m.name:36} {m.path}: {m.why}")
+        return 0
+    results, bad = [], 0
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hicache-mutants-") as tmp:
+        copy = Path(tmp)
+        copy_tree(copy)
+        probe = subprocess.run([sys.executable, "-c", "import hicache, hicache_kernels; print(hicache.__file__); "
+                                "print(hicache_kernels.__file__)"], cwd=copy, capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{copy / 'python'}"})  # fmt: skip
+        if probe.returncode or any(not line.startswith(tmp) for line in probe.stdout.split()):
+            print(f"mutation_check: the copy's packages do not import from {tmp}:\n{probe.stdout}{probe.stderr}")
+            return 1
+        # Every selection passes unmutated, or a failure proves nothing.
+        for key in dict.fromkeys((m.tests, tuple(sorted(m.env.items()))) for m in mutants):
+            code, out, secs = run_pytest(copy, key[0], dict(key[1]), False)
+            print(f"baseline {' '.join(key[0])} {dict(key[1]) or ''}: exit {code} in {secs:.1f} s", flush=True)
+            if code != 0:
+                print(out[-3000:])
+                bad += 1
+        if bad:
+            print("mutation_check: a baseline fails: fix the suite first")
+            return 1
+        for m in mutants:
+            path = copy / m.path
+            text = path.read_text()
+            if text.count(m.old) != 1:
+                results.append({"mutant": m.name, "status": "STALE", "caught_by": None, "seconds": 0.0})
+                print(f"{m.name}: its text occurs {text.count(m.old)} times in {m.path} (expected once): update it")
+                bad += 1
+                continue
+            path.write_text(text.replace(m.old, m.new))
+            try:
+                code, out, secs = run_pytest(copy, m.tests, m.env, True)
+            finally:
+                path.write_text(text)
+            caught = first_failure(out) if code == 1 else None
+            status = "caught" if caught else "SURVIVED"
+            if not caught:
+                bad += 1
+                print(out[-2000:])
+            results.append({"mutant": m.name, "status": status, "caught_by": caught, "seconds": round(secs, 1),
+                            "why": m.why, "exit": code})  # fmt: skip
+            print(f"{m.name:36} {status:9} {secs:6.1f} s  {caught or ''}", flush=True)
+    total = time.perf_counter() - start
+    print(f"mutation_check: {sum(r['status'] == 'caught' for r in results)} of {len(mutants)} mutants caught "
+          f"in {total:.0f} s")  # fmt: skip
+    if a.json:
+        Path(a.json).write_text(json.dumps({"results": results, "seconds": round(total, 1)}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
