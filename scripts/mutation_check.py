@@ -150,6 +150,15 @@ MUTANTS = [
         ("tests/streams/test_deferred.py",),
     ),
     Mutant(
+        "no-exit-hook",
+        "the package's threads are not stopped before the interpreter finalizes: a process that ends with "
+        "copies in flight aborts (31)",
+        "python/hicache/streams/lifetime.py",
+        "            _hooked = True\n            _hook()\n",
+        "            _hooked = True\n",
+        ("tests/package/test_exit.py", "-k", "eager and not mooncake and not nixl and not tp_rank and not sigint"),
+    ),
+    Mutant(
         "backup-does-not-lock-its-node",
         "a backup in flight does not lock its node: it can be evicted under the copy (30 #8)",
         "python/hicache/cache/copy_acks.py",

@@ -34,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,6 +47,7 @@ from hicache_kernels.backends import IO_BACKENDS, IOBackend, get_backend
 from hicache_kernels.binding import KVBinding
 
 from ..pools import DeviceKVPool, HostKVPool
+from ..streams import lifetime
 from ..streams.deferred import DeferredDevice, env_seed
 from ..streams.devices import CudaDevice, EagerDevice, KVRegion
 from .copy_completions import CopyAck, CopyCompletions, check_tp_group
@@ -69,10 +72,31 @@ class _Op:
 _STOP = object()
 
 
-def _stop_workers(*queues: queue.Queue) -> None:
-    """Finalizer and :meth:`HiCacheController.close`: one stop marker per worker queue (never blocks)."""
+def _stop_workers(exit_handle: int, *queues: queue.Queue) -> None:
+    """Finalizer and :meth:`HiCacheController.close`: one stop marker per worker queue (never blocks);
+    nothing is left to do at interpreter exit."""
+    lifetime.forget(exit_handle)
     for q in queues:
         q.put(_STOP)
+
+
+def _stop_at_exit(queues: tuple[queue.Queue, ...], threads: tuple[threading.Thread, ...], timeout: float) -> str | None:
+    """At interpreter exit (:mod:`hicache.streams.lifetime`): the copies still queued are dropped unrun
+    (no one will take their acks), the copy a worker is inside finishes, and the workers are joined.
+    Copies between the pools hold nothing that outlives the process, so nothing is reported lost."""
+    for q in queues:
+        while True:
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                break
+            q.task_done()
+        q.put(_STOP)
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    return f"copy workers {', '.join(stuck)} were still inside a copy after {timeout:g} s" if stuck else None
 
 
 def _run_op(controller_ref: weakref.ref, op: _Op) -> bool:
@@ -202,11 +226,15 @@ class HiCacheController:
         if self.threaded:
             # The threads get their queue and a weak reference only; the finalizer holds the queues only.
             me = weakref.ref(self)
-            self._finalizer = weakref.finalize(self, _stop_workers, self._write_queue, self._load_queue)
             for name, q in (("hicache-write", self._write_queue), ("hicache-load", self._load_queue)):
                 t = threading.Thread(target=_worker_loop, args=(q, me), name=name, daemon=True)
                 t.start()
                 self._threads.append(t)
+            # Stopped and joined before the interpreter finalizes, if still running then (a daemon thread
+            # inside a copy at finalization aborts the process).
+            queues = (self._write_queue, self._load_queue)
+            handle = lifetime.stop_at_exit(partial(_stop_at_exit, queues, tuple(self._threads)))
+            self._finalizer = weakref.finalize(self, _stop_workers, handle, *queues)
 
     @property
     def closed(self) -> bool:

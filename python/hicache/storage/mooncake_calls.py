@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..streams import lifetime
+
 __all__ = ["FAILED", "OBJECT_ALREADY_EXISTS", "OBJECT_NOT_FOUND", "RPC_ERRORS", "MasterCalls"]
 
 log = logging.getLogger("hicache.storage.mooncake")  # the backend's logger: one name for its messages
@@ -39,11 +41,17 @@ class _Workers:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._idle = 0  # threads waiting for a job, less the jobs queued for them
+        self._busy = 0  # jobs submitted and not finished
+        self._exiting = False
+        lifetime.stop_at_exit(self._stop_at_exit)
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
+            if self._exiting:  # the interpreter is exiting: no new client call
+                raise RuntimeError("the interpreter is exiting")
+            self._busy += 1
             start = self._idle == 0
             if not start:
                 self._idle -= 1
@@ -53,9 +61,23 @@ class _Workers:
 
     def _loop(self) -> None:
         while True:
-            self._jobs.get()()
-            with self._lock:
-                self._idle += 1
+            job = self._jobs.get()
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._idle += 1
+                    self._busy -= 1
+                    self._lock.notify_all()
+
+    def _stop_at_exit(self, timeout: float) -> str | None:
+        """At interpreter exit (:mod:`hicache.streams.lifetime`): no new call; the calls running finish
+        (each is bounded by its backend's ``timeout_s``, and a master that is down is not called)."""
+        with self._lock:
+            self._exiting = True
+            if not self._lock.wait_for(lambda: self._busy == 0, timeout):
+                return f"{self._busy} Mooncake client call(s) were still running after {timeout:g} s"
+        return None
 
 
 _WORKERS = _Workers()
@@ -158,7 +180,10 @@ class MasterCalls:
                 except Exception:  # noqa: BLE001
                     log.debug("mooncake: cleanup after a late call failed", exc_info=True)
 
-        _WORKERS.submit(target)
+        try:
+            _WORKERS.submit(target)
+        except RuntimeError as e:  # the interpreter is exiting: no new call
+            return "raised", e
         if not done.wait(timeout):
             with self._lock:
                 if not done.is_set():

@@ -18,10 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
+from ..streams import lifetime
 from .base import StorageBackend
 from .keys import Namespace, page_keys
 from .objects import StoredObjects
@@ -103,6 +105,31 @@ class Prefetch:
         return self.finished.is_set()
 
 
+def _stop_at_exit(queues: tuple[queue.Queue, ...], threads: tuple[threading.Thread, ...], timeout: float) -> str | None:
+    """At interpreter exit (:mod:`hicache.streams.lifetime`): queued backups, prefetches and queries are
+    dropped unrun, the I/O a thread is inside finishes, and the threads are joined. Reports the backups
+    dropped: pages the caller may have expected in storage."""
+    pages = 0
+    for q in queues:
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and q is queues[0]:  # (node id, keys, host slots)
+                pages += len(item[1])
+            q.task_done()
+        q.put(None)
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    lost = [f"{pages} page(s) queued for storage were not written"] if pages else []
+    lost += [
+        f"storage thread {t.name} was still inside an I/O call after {timeout:g} s" for t in threads if t.is_alive()
+    ]
+    return "; ".join(lost) or None
+
+
 class StorageTier:
     """A backend bound to a host pool, its namespace, and the backup and prefetch threads.
 
@@ -160,6 +187,11 @@ class StorageTier:
             ]  # fmt: skip
         for t in self._threads:
             t.start()
+        # Stopped and joined before the interpreter finalizes if still running then: a daemon thread
+        # inside a backend's I/O at finalization aborts the process.
+        self._exit = lifetime.stop_at_exit(
+            partial(_stop_at_exit, (self._backups, self._prefetches, self._queries), tuple(self._threads))
+        ) if self._threads else None  # fmt: skip
 
     def _serve(self, q: queue.Queue, method: str) -> None:
         """A worker thread: ``self.<method>(*item)`` for each item of ``q`` until ``None`` (looked up per
@@ -321,6 +353,7 @@ class StorageTier:
             self._queries.put(None)
         for t in self._threads:
             t.join(timeout)
+        lifetime.forget(self._exit)
         self.backend.close()
 
     @property
