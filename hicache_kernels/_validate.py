@@ -208,7 +208,11 @@ def host_pool(host: Any, dtype: torch.dtype, layout: str, mla: bool, num_layers:
 
 
 def index_tensor(t: Any, name: str, pool_device: torch.device) -> torch.Tensor:
-    """A call's index tensor: 1-D int64 on the CPU or the pool's device."""
+    """A call's index tensor: 1-D int64 on the CPU or the pool's device, contiguous.
+
+    The kernels read indices through ``data_ptr()`` at stride 1, so a strided view (``slots[::2]``, a
+    column of a 2-D tensor, an ``expand``) is copied contiguous here: on the host, or for CUDA indices
+    on the current stream, where the caller made them (a launch on another stream is ordered after it)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not torch.int64:
@@ -217,7 +221,7 @@ def index_tensor(t: Any, name: str, pool_device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(t.shape)}")
     if not t.is_cpu and t.device != pool_device:
         raise ValueError(f"{name}: expected a CPU tensor or one on {pool_device}, got {t.device}")
-    return t
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _index_stats(idx: torch.Tensor, is_dst: bool) -> torch.Tensor:

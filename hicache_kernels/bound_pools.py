@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import layouts
+from . import launch, layouts
 from ._validate import (
     DevicePool,
     check_disjoint,
@@ -158,6 +158,8 @@ class BoundPools:
             )
         if check_indices:
             index_values(direction, d_idx, self.device_slots, h_idx, self.host_slots)
+        if stream is not None and (d_idx.is_cuda or h_idx.is_cuda):  # caller-made CUDA indices, another stream
+            launch.follow_caller(stream, device, (d_idx, h_idx))
         if direction == "d2h":
             return TransferPlan(route, d_idx, h_idx, stream, device_tensors, host_tensors)
         return TransferPlan(route, h_idx, d_idx, stream, host_tensors, device_tensors)

@@ -200,6 +200,28 @@ def record_stream(table: torch.Tensor, stream: Any) -> None:
     table.record_stream(stream)
 
 
+def follow_caller(stream: Any, device: torch.device, tensors: Any) -> bool:
+    """Order a launch on ``stream`` after the caller's CUDA ``tensors`` (a call's index tensors).
+
+    The caller made them on its current stream; a launch on another stream is ordered after nothing
+    there, and once the caller drops a temporary tensor its memory is the current stream's allocator's
+    to hand out again while the copy may still read it. So ``stream`` waits for the current stream (an
+    event, no host sync) and each tensor is recorded on ``stream`` (not under CUDA-graph capture, where
+    the graph's memory pool keeps it). Nothing happens when ``stream`` is the current stream or no tensor
+    is on a GPU. Returns whether it ordered anything."""
+    cuda = [t for t in tensors if t.is_cuda]
+    if stream is None or not cuda:
+        return False
+    current = torch.cuda.current_stream(device)
+    if stream.cuda_stream == current.cuda_stream:
+        return False
+    stream.wait_stream(current)
+    if not capturing():
+        for t in cuda:
+            record_stream(t, stream)
+    return True
+
+
 def gpu_route(plan: TransferPlan, *, capturing: bool) -> GpuRoute:
     """The CUDA launch arguments of ``plan.route`` (cached in ``route.launch_state``)."""
     route = plan.route

@@ -47,6 +47,13 @@ _LAUNCH_LAYER = (
     "                self._launch(stream, lambda s, layer=layer: loads(layer), op, (hp, h_idx), (dp, d_idx), layer)\n"
 )
 _SIGNAL_LAYER = "                self.layer_counter.layer_issued(layer, stream, op.generation)\n"
+_WAIT_READY = (
+    "                if op.ready is not None:  # the copy's data is ready (nothing waits here)\n"
+    "                    stream.wait_event(op.ready)\n"
+)
+_RECORD_START = (
+    "                ack.start.record(stream)  # after the wait: the copy's time is its own, not the queue's\n"
+)
 CACHE_SUITES = ("tests/cache/test_radix_cache.py", "tests/controller/test_controller.py")
 
 MUTANTS = [
@@ -135,8 +142,8 @@ MUTANTS = [
         "backup-ignores-ready-event",
         "a backup does not wait for the KV its forward is still writing (30 #7)",
         "python/hicache/controller/controller.py",
-        "        if op.ready is not None:\n            stream.wait_event(op.ready)\n",
-        "        if op.ready is not None:\n            pass\n",
+        _WAIT_READY,
+        _WAIT_READY.replace("stream.wait_event(op.ready)", "pass"),
         CACHE_SUITES,
         DEFERRED,
     ),
@@ -157,6 +164,31 @@ MUTANTS = [
         "            _hooked = True\n            _hook()\n",
         "            _hooked = True\n",
         ("tests/package/test_exit.py", "-k", "eager and not mooncake and not nixl and not tp_rank and not sigint"),
+    ),
+    Mutant(
+        "copy-timed-from-before-its-wait",
+        "a copy's start event is recorded before its stream waits for the forward: copy times include the "
+        "queue behind compute (32 #6)",
+        "python/hicache/controller/controller.py",
+        _WAIT_READY + _RECORD_START,
+        _RECORD_START + _WAIT_READY,
+        ("tests/streams/test_deferred.py", "-k", "timed_from"),
+    ),
+    Mutant(
+        "the-kernel-reads-strided-indices",
+        "a strided index view reaches the kernels, which read indices at stride 1 (32 #1)",
+        "hicache_kernels/_validate.py",
+        "    return t if t.is_contiguous() else t.contiguous()\n",
+        "    return t\n",
+        ("tests/kernels/test_backends.py", "-k", "strided"),
+    ),
+    Mutant(
+        "a-side-stream-does-not-follow-its-caller",
+        "a launch on a side stream is not ordered after the caller's stream that made its indices (32 #2)",
+        "hicache_kernels/launch.py",
+        "    stream.wait_stream(current)\n",
+        "    pass\n",
+        ("tests/kernels/test_backends.py", "-k", "side_stream_follows"),
     ),
     Mutant(
         "backup-does-not-lock-its-node",

@@ -246,6 +246,9 @@ def run_route(
     """Check the indices and run on ``backend``. ``whole_pages``: the page size the index count must
     be a multiple of (sgl-kernel's direct functions)."""
     check_indices(src_indices, dst_indices, whole_pages)
+    # The kernels read indices at stride 1 (data_ptr): strided views are copied contiguous (CUDA ones on
+    # the current stream, where the caller made them).
+    src_indices, dst_indices = (t if t.is_contiguous() else t.contiguous() for t in (src_indices, dst_indices))
     if _NO_BOUND in (route.src.num_slots, route.dst.num_slots) and backend.name != "triton" and not route.on_cuda:
         raise BackendUnavailableError(
             f"io-backend {backend.name!r}: pointer tables (the *_layers arguments) on the CPU run only on "

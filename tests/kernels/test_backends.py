@@ -913,3 +913,99 @@ def test_register_kernel_streams_its_stores_to_host_memory_only(monkeypatch, dir
 def test_kernel_design_is_checked():
     with pytest.raises(ValueError, match="design: expected one of register, bulk"):
         KernelBackend(design="tma")
+
+
+# ---------------------------------------------------------------------------------------- strided indices
+def strided(kind: str, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a view that is not contiguous: every other element of a longer tensor, a column
+    of a 2-D tensor, or (one value repeated) an ``expand``."""
+    if kind == "step":
+        out = torch.full((2 * values.numel(),), -7, dtype=torch.int64)
+        out[::2] = values
+        return out[::2]
+    if kind == "column":
+        out = torch.full((values.numel(), 3), -7, dtype=torch.int64)
+        out[:, 1] = values
+        return out[:, 1]
+    assert kind == "expand"
+    return values[:1].expand(values.numel())
+
+
+def read_int64(address: int, n: int) -> list[int]:
+    """What a kernel reading ``n`` int64 indices at stride 1 from ``address`` reads."""
+    import ctypes
+
+    return list((ctypes.c_int64 * n).from_address(address))
+
+
+@pytest.mark.parametrize("kind", ["step", "column", "expand"])
+def test_the_kernel_reads_strided_indices_as_their_values(monkeypatch, kind):
+    """The kernel reads index tensors through ``data_ptr()`` at stride 1: a strided view handed over as
+    it is reads other slots (or, at stride 0, past the allocation). What the launch reads must be the
+    indices' values, whatever their strides."""
+    pretend_cuda(monkeypatch)
+    ext = RecordingExt()
+    use_ext(monkeypatch, ext)
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=1)
+    d_vals, h_vals = torch.tensor([5, 9, 2, 40, 17]), torch.tensor([3, 0, 11, 7, 30])
+    d_idx = strided(kind, d_vals)  # d2h: the device side is the source, which may repeat
+    h_idx = strided("step" if kind == "expand" else kind, h_vals)
+    assert not d_idx.is_contiguous() and not h_idx.is_contiguous()
+    plan = as_cuda(ops.build_plan("d2h", pools.device_k, pools.device_v, pools.host, d_idx, h_idx,
+                                  layout="page_first", page_size=1))  # fmt: skip
+    KernelBackend().run(plan)
+    name, args = ext.calls[-1]
+    src_ptr, dst_ptr, n = args[4], args[5], args[6]
+    assert name == "transfer" and n == 5
+    assert read_int64(src_ptr, n) == d_idx.tolist() and read_int64(dst_ptr, n) == h_vals.tolist()
+
+
+@pytest.mark.parametrize("backend", ["direct", "batch", "triton", "staged"])
+@pytest.mark.parametrize("kind", ["step", "column", "expand"])
+def test_strided_indices_move_what_their_values_say(backend, kind):
+    """Every CPU backend, given strided index views, moves exactly what the same values contiguous move."""
+    pools = make_pools(layout="page_first_direct", mla=False, dtype=torch.bfloat16, page_size=4, device_slots=48,
+                       host_pages=4)  # fmt: skip
+    d_vals, h_vals = torch.tensor([5, 9, 2, 40, 17, 33]), torch.tensor([3, 0, 11, 7, 14, 8])
+    expected = expected_after(pools, "d2h", d_vals[:1].expand(6) if kind == "expand" else d_vals, h_vals, None)
+    ops.transfer("d2h", pools.device_k, pools.device_v, pools.host, strided(kind, d_vals),
+                 strided("step" if kind == "expand" else kind, h_vals), layout="page_first_direct", page_size=4,
+                 backend=backend)  # fmt: skip
+    assert pools.equal(expected)
+
+
+# ---------------------------------------------------------------------------------------- caller's streams
+class WaitingStream(FakeStream):
+    def __init__(self, handle: int) -> None:
+        super().__init__(handle)
+        self.waited_for: list[int] = []
+
+    def wait_stream(self, other) -> None:
+        self.waited_for.append(other.cuda_stream)
+
+
+class CudaLooking:
+    """An index tensor as :func:`launch.follow_caller` sees one on a GPU."""
+
+    is_cuda = True
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "capture"])
+def test_a_side_stream_follows_the_callers_stream_and_keeps_its_indices(monkeypatch, capture):
+    """Caller-made CUDA indices and a launch on another stream: the launch stream waits for the caller's
+    current stream, and (outside graph capture) records the indices, so their memory is not handed out
+    again while the copy reads it. Nothing for the current stream itself, or for host indices."""
+    current, side = FakeStream(7), WaitingStream(9)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(launch, "capturing", lambda: capture)
+    recorded = []
+    monkeypatch.setattr(launch, "record_stream", lambda t, s: recorded.append((t, s.cuda_stream)))
+    idx = CudaLooking()
+    host = torch.arange(3)
+    assert launch.follow_caller(side, CUDA0, (idx, host))
+    assert side.waited_for == [7]
+    assert recorded == ([] if capture else [(idx, 9)])
+    same = WaitingStream(7)
+    assert not launch.follow_caller(same, CUDA0, (idx,)) and same.waited_for == []
+    assert not launch.follow_caller(side, CUDA0, (host,)) and not launch.follow_caller(None, CUDA0, (idx,))
+    assert side.waited_for == [7]

@@ -557,3 +557,27 @@ def test_disjoint_views_of_one_buffer_are_fine():
     exp = expected([1])
     sk.transfer_kv_per_layer(src_k[1], dst_k[1], src_v[1], dst_v[1], si, di, ITEM)
     assert all(same_bytes(a, e) for a, e in zip(dst_k + dst_v, exp, strict=True))
+
+
+@pytest.mark.gpu_smoke  # runs on CUDA pools when a GPU is visible
+@pytest.mark.parametrize("kind", ["step", "column"])
+def test_strided_indices_are_read_as_their_values(kind):
+    """sgl-kernel callers slice index tensors: a strided view must move the slots its values name."""
+    src_k, src_v = device_layers(seed=1), device_layers(seed=2)
+    dst_k, dst_v = device_layers(fill="poison", seed=3), device_layers(fill="poison", seed=4)
+    si, di = torch.tensor([4, 0, 7, 31, 12]), torch.tensor([9, 2, 30, 5, 21])
+    wide = torch.full((5, 3) if kind == "column" else (10,), -1, dtype=torch.int64)
+    view = (lambda w: w[:, 1]) if kind == "column" else (lambda w: w[::2])
+
+    def strided_of(values):  # a strided view of a tensor on the pools' device (CUDA ones on a GPU)
+        w = wide.clone().to(DEV)
+        view(w).copy_(values.to(DEV))
+        return view(w)
+
+    exp_k, exp_v = [t.clone() for t in dst_k], [t.clone() for t in dst_v]
+    exp_k[1][di.to(DEV)] = src_k[1][si.to(DEV)]
+    exp_v[1][di.to(DEV)] = src_v[1][si.to(DEV)]
+    s_view, d_view = strided_of(si), strided_of(di)
+    assert not s_view.is_contiguous()
+    sk.transfer_kv_per_layer(src_k[1], dst_k[1], src_v[1], dst_v[1], s_view, d_view, ITEM)
+    assert all(same_bytes(a, b) for a, b in zip(dst_k + dst_v, exp_k + exp_v, strict=True))

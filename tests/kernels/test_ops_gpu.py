@@ -257,3 +257,60 @@ def test_kernel_image_probe_keeps_the_current_device():
     major, minor = torch.cuda.get_device_capability(1)
     assert torch.cuda.current_device() == 0
     assert 0 < binary <= 10 * major + minor
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("backend", ["kernel", "kernel-bulk", "triton", "direct", "staged"])
+@pytest.mark.parametrize("kind", ["step", "column", "expand"])
+def test_strided_cuda_indices_on_gpu(backend, kind):
+    """CUDA index views that are not contiguous move what their values name, on every GPU backend (the
+    kernels read indices at stride 1; a stride-0 ``expand`` would read past its allocation)."""
+    pools = make_pools(layout="page_first_direct", mla=False, dtype=torch.bfloat16, page_size=4, direction="d2h",
+                       device="cuda", pin=True, device_slots=48, host_pages=4)  # fmt: skip
+    d_vals, h_vals = torch.tensor([5, 9, 2, 40, 17, 33]), torch.tensor([3, 0, 11, 7, 14, 8])
+    expected = expected_after(pools, "d2h", d_vals[:1].expand(6) if kind == "expand" else d_vals, h_vals, None)
+
+    def view(values, how):
+        if how == "step":
+            wide = torch.full((2 * values.numel(),), -7, dtype=torch.int64, device="cuda")
+            wide[::2] = values.cuda()
+            return wide[::2]
+        if how == "column":
+            wide = torch.full((values.numel(), 3), -7, dtype=torch.int64, device="cuda")
+            wide[:, 1] = values.cuda()
+            return wide[:, 1]
+        return values[:1].cuda().expand(values.numel())
+
+    chosen = KernelBackend(design="bulk") if backend == "kernel-bulk" else backend
+    stream = torch.cuda.Stream() if backend == "staged" else None
+    ops.transfer("d2h", pools.device_k, pools.device_v, pools.host, view(d_vals, kind),
+                 view(h_vals, "step" if kind == "expand" else kind), layout="page_first_direct", page_size=4,
+                 backend=chosen, stream=stream)  # fmt: skip
+    torch.cuda.synchronize()
+    assert pools.equal(expected)
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("backend", ["kernel", "triton"])
+def test_a_side_stream_copy_waits_for_the_indices_its_caller_is_still_making(backend):
+    """The caller's current stream is busy (~25 ms) when it makes the indices, and drops them at once
+    (their memory goes back to its allocator, which hands it to junk at once); the copy goes to a side
+    stream without an index check (no sync). It must wait for the indices and keep their memory."""
+    pools = make_pools(layout="page_first_direct", mla=False, dtype=torch.bfloat16, page_size=16, direction="h2d",
+                       device="cuda", pin=True, device_slots=96, host_pages=4)  # fmt: skip
+    d_vals, h_vals = make_indices("pages", 96, 64, 16, count=32, seed=3)
+    expected = expected_after(pools, "h2d", d_vals, h_vals, None)
+    d_src, h_src = d_vals.cuda(), h_vals.cuda()
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the current stream is busy: what follows on it runs late
+    d_idx, h_idx = torch.full_like(d_src, -1), torch.full_like(h_src, -1)
+    d_idx.copy_(d_src)
+    h_idx.copy_(h_src)
+    ops.transfer("h2d", pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout="page_first_direct",
+                 page_size=16, backend=backend, stream=side, check_indices=False)  # fmt: skip
+    del d_idx, h_idx
+    junk = [torch.full((32,), 95, dtype=torch.int64, device="cuda") for _ in range(4)]  # may reuse their memory
+    torch.cuda.synchronize()
+    assert pools.equal(expected)
+    del junk

@@ -405,3 +405,18 @@ def test_two_queued_writes_of_one_slot_land_in_stream_order():
     assert (dev.k[:, slots].view(torch.uint8) == POISON).all()
     current.synchronize()
     assert torch.equal(dev.k[:, slots], second) and model.hazards == []
+
+
+def test_a_copy_is_timed_from_after_its_wait_for_the_forward():
+    """On the copy's stream: the wait for its ready event, then the start event, the copy and the done
+    event. A start recorded before the wait times the copy's queueing behind the forward too
+    (write_gbps and load_gbps then understate the link)."""
+    model = DeferredDevice(seed=0, step_probability=0.0)
+    with cache_over(model, slots=16) as c:
+        dev = c.device_pool
+        slots = dev.alloc(8)
+        model.launch(model.current_stream(), lambda _: None, writes=[KVRegion(dev, slots)], what="forward")
+        c.insert(list(range(8)), slots)  # write-through: the backup is issued now, behind the forward
+        (write,) = [s for s in model._streams if s.name == "write"]
+        assert [item.kind for item in write.queue] == ["wait", "record", "launch", "record"]
+        c.flush()

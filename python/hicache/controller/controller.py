@@ -384,7 +384,9 @@ class HiCacheController:
         try:
             with torch.cuda.device(self.device_pool.device) if self.on_gpu else contextlib.nullcontext():
                 ack.start = self.device.new_event(timing=True)  # worker threads start on device 0
-                ack.start.record(stream)
+                if op.ready is not None:  # the copy's data is ready (nothing waits here)
+                    stream.wait_event(op.ready)
+                ack.start.record(stream)  # after the wait: the copy's time is its own, not the queue's
                 self._issue(op, stream)
         except BaseException as exc:
             ack.error = exc
@@ -404,10 +406,8 @@ class HiCacheController:
             raise ack.error  # KeyboardInterrupt on the caller's thread stays an interrupt
 
     def _issue(self, op: _Op, stream: Any) -> None:
-        """Launch ``op``'s copies on ``stream`` after its ready event (nothing waits here)."""
+        """Launch ``op``'s copies on ``stream`` (which :meth:`_run` made wait for its ready event)."""
         dp, hp = self.device_pool, self.host_pool
-        if op.ready is not None:
-            stream.wait_event(op.ready)
         d_idx, h_idx = op.device_indices, op.host_indices
         # The pools were validated once (self.binding); each op checks its indices once.
         if op.kind == "write":
