@@ -101,3 +101,27 @@ def test_flush_settles_step_load_backs_and_bad_agree_is_refused(each_tree_core):
         c.flush()  # settles first, then runs the load
         check_kv(c, TOKENS, c.match_prefix(TOKENS).device_indices)
         c.verify()
+
+
+def test_a_write_back_eviction_starts_no_queued_load_back(each_tree_core):
+    """A step load-back is queued (not agreed yet); a write-back eviction must then back up its victims
+    and wait for them, and only them: were it to start the queued load-back, a revocation at the step's
+    agreement would find it started (cancel_load refuses: ValueError), and it would have waited for every
+    load in flight too."""
+    with make_cache(device_slots=32, page_size=4, write_policy="write_back") as c:
+        m = host_only(c)
+        assert c.load_back(m.last_host_node, agree="step") is not None
+        queued = list(c.controller._pending_loads)
+        assert len(queued) == 1
+        prefill(c, list(range(500, 516)))  # device-only (write-back): the device pool is full again
+        assert c.device_pool.available_size() == 0
+        assert c.evict(8) >= 8  # victims backed up first: waited for, then dropped
+        assert c.controller._pending_loads == queued and c.controller.layer_counter.in_flight == ()
+        op, node_id = queued[0], m.last_host_node.id
+        c.controller.cancel_load(node_id, op.host_indices)  # still cancellable: never started
+        c.controller.load(op.host_indices, op.device_indices, node_id)  # queued again, as it was
+        assert c.agree_load_backs() == []
+        c.start_loading()
+        c.flush()
+        check_kv(c, TOKENS, c.match_prefix(TOKENS).device_indices)
+        c.verify()

@@ -127,8 +127,43 @@ def scenario_step_load_back_raises(rank: int, group) -> dict:
     return dict(state=state, outcome=outcome, went=went, device_hit=len(after.device_indices))
 
 
+def scenario_write_back_eviction_before_the_agreement(rank: int, group) -> dict:
+    """Write-back, ``agree="step"``: rank 0's load-back is queued, rank 1's raised when it was queued (after
+    the same evictions as rank 0's: under write-back an eviction agrees on its backups' acks, a
+    collective, so both ranks evict alike); then both evict, which backs up device-only victims and waits
+    for them. That wait must not start rank 0's queued load-back: the agreement then revokes it (it did
+    not go on rank 1), and a started one could not be cancelled (ValueError on rank 0)."""
+    cache = build(tp_group=group, device_slots=48, write_policy="write_back")
+    insert_seq(cache, TOKENS)
+    cache.flush()
+    cache.evict(cache.device_pool.size)  # backed up (write-back: on eviction), then dropped: host-only
+    insert_seq(cache, list(range(300, 324)))
+    insert_seq(cache, list(range(400, 424)))  # device-only, the pool full
+    m = cache.match_prefix(TOKENS)
+    if rank == 1:
+
+        def load(host, device, node_id):
+            raise RuntimeError("injected load failure")
+
+        cache.controller.load = load  # the load-back's queueing, after its eviction
+    went = cache.load_back(m.last_host_node, agree="step") is not None
+    if rank == 1:
+        del cache.controller.load
+    try:
+        cache.evict(8)  # a write-back eviction while rank 0's load-back waits for the step's agreement
+        outcome = f"revoked {cache.agree_load_backs() == [m.last_host_node.id]}"
+    except (RuntimeError, ValueError) as exc:
+        outcome = f"raised {type(exc).__name__}: {exc}"
+    cache.flush()
+    cache.verify()
+    after = cache.match_prefix(TOKENS)
+    cache.close()
+    return dict(outcome=outcome, went=went, device_hit=len(after.device_indices))
+
+
 SCENARIOS = {"write": scenario_write, "load": scenario_load, "load_back_raises": scenario_load_back_raises,
-             "step_load_back_raises": scenario_step_load_back_raises}  # fmt: skip
+             "step_load_back_raises": scenario_step_load_back_raises,
+             "write_back_eviction": scenario_write_back_eviction_before_the_agreement}  # fmt: skip
 
 
 def rank_main(rank: int, init_file: str, out) -> None:
@@ -176,3 +211,11 @@ def test_a_step_load_back_failing_on_one_rank_is_revoked_on_the_other(tp_faults)
     host = [(path, host) for path, _, host, *_ in a["state"]["nodes"]]
     assert host == [(path, host) for path, _, host, *_ in b["state"]["nodes"]]
     assert a["state"]["host_state"] == b["state"]["host_state"]
+
+
+def test_a_write_back_eviction_does_not_start_an_unagreed_load_back(tp_faults):
+    a, b = tp_faults[0]["write_back_eviction"], tp_faults[1]["write_back_eviction"]
+    assert a["went"] and not b["went"]
+    assert a["outcome"] == "revoked True", a["outcome"]
+    assert b["outcome"] == "raised RuntimeError: injected load failure"
+    assert a["device_hit"] == b["device_hit"] == 0  # loaded on neither

@@ -275,8 +275,9 @@ class HiRadixCache:
                 try:
                     self.copies.backup_many(pending)  # one copy op for all of them
                     # Write-back: the host copy must exist before the device copy goes (the storage backups
-                    # these host copies start are not waited for).
-                    self.controller.flush()
+                    # these host copies start are not waited for). Only backups are waited for: queued
+                    # load-backs are not started here (under agree="step" they are not agreed yet).
+                    self.controller.flush_writes()
                     self.check_acks()
                 except BaseException:  # nothing is evicted: the picked nodes are candidates again
                     self.eviction.unpick(chosen)

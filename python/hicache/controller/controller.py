@@ -448,6 +448,14 @@ class HiCacheController:
         self._load_queue.join()
         self.completions.wait_landed()
 
+    def flush_writes(self) -> None:
+        """Wait until every queued backup has run and landed (acks still need processing by the tree).
+        Load-backs are neither waited for nor started: a write-back eviction waits for its victims'
+        host copies with this, and a queued load-back may not have been agreed across TP ranks yet."""
+        self._check_open()
+        self._write_queue.join()
+        self.completions.wait_landed(("write",))
+
     def _drop_queued(self, error: CopyDropped) -> None:
         """Take every copy off the queues unrun and acknowledge it with ``error``; a dropped load batch
         is aborted on the layer counter (its consumers get an error, not a timeout)."""

@@ -228,9 +228,11 @@ class CopyCompletions:
             if ack.error is None and ack.generation in self.layer_counter.in_flight:
                 self.layer_counter.finish(ack.generation)
 
-    def wait_landed(self) -> None:
-        """Block until every issued copy has landed (a copy's error stays on its ack)."""
+    def wait_landed(self, kinds: tuple[str, ...] = ("write", "load")) -> None:
+        """Block until every issued copy of ``kinds`` has landed (a copy's error stays on its ack)."""
         for kind, q in (("write", self.write_acks), ("load", self.load_acks)):
+            if kind not in kinds:
+                continue
             for ack in self._landed(kind, q):
                 if ack.done is not None:
                     try:
