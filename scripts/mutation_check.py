@@ -191,6 +191,15 @@ MUTANTS = [
         ("tests/kernels/test_backends.py", "-k", "side_stream_follows"),
     ),
     Mutant(
+        "triton-specializes-per-call-arguments",
+        "Triton specializes n and layer_begin on 1 and multiples of 16: a route compiles a dozen variants, "
+        "each a stall the first time it shows up mid-serving (32 #4)",
+        "hicache_kernels/backends/triton.py",
+        'PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride", "n", "layer_begin", "layer_count")',
+        'PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride")',
+        ("tests/kernels/test_triton_transfer.py", "-k", "61_layer"),
+    ),
+    Mutant(
         "backup-does-not-lock-its-node",
         "a backup in flight does not lock its node: it can be evicted under the copy (30 #8)",
         "python/hicache/cache/copy_acks.py",

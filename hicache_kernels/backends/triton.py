@@ -193,11 +193,17 @@ def _import_triton() -> Any:
 _INTERPRETER_LOCK = threading.Lock()  # one interpreted launch at a time (see the CPU branch of transfer)
 
 
+# Arguments that change from call to call of one route: Triton would specialize each on being 1 or a
+# multiple of 16 and compile another variant for each combination it meets (a stall of hundreds of
+# milliseconds each, the first time one shows up mid-serving). Everything else is fixed per route.
+PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride", "n", "layer_begin", "layer_count")
+
+
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool) -> Any:
     """The jitted kernel; keyed by interpreter mode because ``triton.jit`` reads it when decorating."""
     triton = _import_triton()
-    return triton.jit(_transfer_kernel)
+    return triton.jit(_transfer_kernel, do_not_specialize=PER_CALL_ARGS)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -683,3 +683,62 @@ def test_interpreted_launches_from_two_threads_at_once():
     for t in threads:
         t.join(120)
     assert not errors, errors
+
+
+def _compile_keys():
+    """The specialization key Triton computes for a launch of the transfer kernel on an sm_90 GPU (its
+    binder needs no GPU); None, saying why, where this Triton's binder is not reachable so."""
+    try:
+        import triton.language as language
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        tt._import_triton()  # binds ``tl`` for the kernel's annotations
+        # What _kernel decorates, compiled (not interpreted: the interpreter specializes nothing).
+        kernel = JITFunction(tt._transfer_kernel, do_not_specialize=tt.PER_CALL_ARGS)
+        binder = create_function_from_signature(
+            kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32))
+        )
+    except Exception as exc:  # noqa: BLE001 - another Triton's internals
+        return None, f"this Triton's launch binder is not reachable without a GPU ({type(exc).__name__}: {exc})"
+    anchor = torch.zeros(16, dtype=torch.int64)
+
+    def key(n: int, layer_begin: int, layer_count: int) -> str:
+        scalars = [64, 64, *([61, 1 << 20, 1 << 14, 1 << 8, 0, 0, 1, 4096] * 2)]
+        _, spec, _ = binder(anchor, anchor, anchor, anchor, anchor, 1, 1, n, layer_begin, layer_count, *scalars,
+                            SRC_TABLE=False, DST_TABLE=True, MULTI_CHUNK=False, ELEM=language.int64, WIDTH=8,
+                            VEC=2, ROWS=4, BLOCK=32, debug=False)  # fmt: skip
+        return repr(spec)
+
+    return key, None
+
+
+def test_one_route_compiles_once_over_a_61_layer_load_of_any_batch():
+    """Every layer of a 61-layer load, for batch sizes 1 to 300, and the all-layer form: Triton computes
+    one specialization for them all (``n``, ``layer_begin``, ``layer_count`` and the index strides are
+    not specialized), so nothing compiles mid-serving once a route has run."""
+    key, why = _compile_keys()
+    if key is None:
+        pytest.skip(why)
+    keys = {key(n, layer, 1) for n in (1, 2, 3, 16, 17, 32, 100, 128, 300) for layer in range(61)}
+    keys |= {key(n, 0, 61) for n in (1, 16, 300)}
+    assert len(keys) == 1, len(keys)
+
+
+def test_the_kernel_is_jitted_without_specializing_per_call_arguments(monkeypatch):
+    seen = {}
+
+    def jit(fn, **kwargs):
+        seen.update(kwargs, fn=fn)
+        return fn
+
+    triton = tt._import_triton()
+    monkeypatch.setattr(triton, "jit", jit)
+    tt._kernel.cache_clear()
+    try:
+        assert tt._kernel(True) is tt._transfer_kernel
+    finally:
+        tt._kernel.cache_clear()
+    assert seen["do_not_specialize"] == tt.PER_CALL_ARGS
+    assert set(tt.PER_CALL_ARGS) == {"n", "layer_begin", "layer_count", "src_idx_stride", "dst_idx_stride"}
