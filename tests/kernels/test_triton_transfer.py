@@ -706,11 +706,15 @@ def _compile_keys():
 
     def key(n: int, layer_begin: int, layer_count: int) -> str:
         scalars = [64, 64, *([61, 1 << 20, 1 << 14, 1 << 8, 0, 0, 1, 4096] * 2)]
-        _, spec, _ = binder(anchor, anchor, anchor, anchor, anchor, 1, 1, n, layer_begin, layer_count, *scalars,
-                            SRC_TABLE=False, DST_TABLE=True, MULTI_CHUNK=False, ELEM=language.int64, WIDTH=8,
-                            VEC=2, ROWS=4, BLOCK=32, debug=False)  # fmt: skip
-        return repr(spec)
+        out = binder(anchor, anchor, anchor, anchor, anchor, 1, 1, n, layer_begin, layer_count, *scalars,
+                     SRC_TABLE=False, DST_TABLE=True, MULTI_CHUNK=False, ELEM=language.int64, WIDTH=8, VEC=2,
+                     ROWS=4, BLOCK=32, debug=False)  # fmt: skip
+        return repr(out[1])  # (bound arguments, specialization, options)
 
+    try:
+        key(5, 0, 1)
+    except Exception as exc:  # noqa: BLE001 - another Triton's internals
+        return None, f"this Triton's launch binder takes other arguments ({type(exc).__name__}: {exc})"
     return key, None
 
 
