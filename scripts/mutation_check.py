@@ -200,6 +200,14 @@ MUTANTS = [
         ("tests/kernels/test_triton_transfer.py", "-k", "61_layer"),
     ),
     Mutant(
+        "host-pool-registered-on-the-current-device",
+        "a pinned host pool is registered with whatever device is current, not its pool's (32 #6)",
+        "python/hicache/pools/host_memory.py",
+        '    on = torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()',
+        "    on = contextlib.nullcontext()",
+        ("tests/pools/test_host_memory.py", "-k", "registered_with"),
+    ),
+    Mutant(
         "backup-does-not-lock-its-node",
         "a backup in flight does not lock its node: it can be evicted under the copy (30 #8)",
         "python/hicache/cache/copy_acks.py",

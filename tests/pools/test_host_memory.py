@@ -14,7 +14,7 @@ import mmap
 import pytest
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.pools import DeviceKVPool, HostKVPool, host_memory
 from hicache_kernels import layouts, ops
 
 from kvdata import random_bytes_, same_bytes
@@ -207,3 +207,28 @@ def test_cache_metrics_report_the_pinned_bytes(fake_cuda):
     ctrl.close()
     pageable = HostKVPool(dev, layout="page_first", ratio=2.5, mem_available_bytes=BIG_RAM)
     assert HiCacheController(dev, pageable, io_backend="direct", threaded=False).metrics.host_pinned_bytes == 0
+
+
+def test_pinned_memory_is_registered_with_the_pools_device_current(fake_cuda, monkeypatch):
+    """cudaHostRegister acts on the current device's context: a TP rank whose pools are on cuda:1 and
+    that never made cuda:1 current must not register (and create a context) on GPU 0."""
+    current = ["cuda:0"]
+    seen = []
+
+    class Device:  # stands in for torch.cuda.device: makes its device current for the block
+        def __init__(self, device):
+            self.device, self.before = str(device), None
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.device
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+
+    real_register = fake_cuda.cudaHostRegister
+    monkeypatch.setattr(fake_cuda, "cudaHostRegister", lambda *a: seen.append(current[0]) or real_register(*a))
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    buf = host_memory.empty_host((4, 1024), torch.float16, pin=True, device=torch.device("cuda", 1))
+    assert seen == ["cuda:1"] and current == ["cuda:0"] and buf.shape == (4, 1024)
+    host_memory.empty_host((4, 1024), torch.float16, pin=True)  # no device named: the current one
+    assert seen == ["cuda:1", "cuda:0"]

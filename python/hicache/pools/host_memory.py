@@ -23,6 +23,7 @@ Units: bytes throughout.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -78,12 +79,16 @@ def _unregister(cudart: Any, ptr: int) -> None:
     cudart.cudaHostUnregister(ptr)
 
 
-def empty_host(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+def empty_host(
+    shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool, device: torch.device | None = None
+) -> torch.Tensor:
     """A contiguous CPU tensor of ``shape`` and ``dtype`` (zero-filled), page-aligned, pinned when ``pin``.
 
-    An anonymous mapping of ``page_rounded(nbytes)`` bytes. Pinned: registered with the CUDA runtime;
-    the caller checks that CUDA is there. ``RuntimeError`` naming ``cudaHostRegister``, the size and the CUDA error
-    when the registration fails (then nothing stays mapped or registered).
+    An anonymous mapping of ``page_rounded(nbytes)`` bytes. Pinned: registered with the CUDA runtime,
+    with ``device`` (a CUDA device: the pool's) current, so that a process that never made that device
+    current (a TP rank) creates no context on GPU 0 for it; the caller checks that CUDA is there.
+    ``RuntimeError`` naming ``cudaHostRegister``, the size and the CUDA error when the registration fails
+    (then nothing stays mapped or registered).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     size = page_rounded(max(nbytes, 1))
@@ -94,7 +99,9 @@ def empty_host(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool) -> torc
         return torch.from_numpy(raw).view(dtype).view(shape)
     ptr = raw.ctypes.data
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS)
+    on = torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+    with on:
+        err = cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS)
     if int(err) != 0:
         del raw
         mem.close()

@@ -215,7 +215,7 @@ class HostKVPool:
             head_num=self.head_num,
             head_dim=self.head_dim,
         )
-        self.buffer = host_memory.empty_host(shape, self.dtype, pin=pin_memory)
+        self.buffer = host_memory.empty_host(shape, self.dtype, pin=pin_memory, device=device_pool.device)
         self.allocated_bytes = need
         self.pinned_bytes = need if pin_memory else 0
         self.pinned = pin_memory
