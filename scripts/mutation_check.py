@@ -203,7 +203,8 @@ MUTANTS = [
         "host-pool-registered-on-the-current-device",
         "a pinned host pool is registered with whatever device is current, not its pool's (32 #6)",
         "python/hicache/pools/host_memory.py",
-        '    on = torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()',
+        '    on = torch.cuda.device(device) if device is not None and device.type == "cuda" else '
+        "contextlib.nullcontext()",
         "    on = contextlib.nullcontext()",
         ("tests/pools/test_host_memory.py", "-k", "registered_with"),
     ),
