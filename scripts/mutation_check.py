@@ -166,6 +166,16 @@ MUTANTS = [
         ("tests/package/test_exit.py", "-k", "eager and not mooncake and not nixl and not tp_rank and not sigint"),
     ),
     Mutant(
+        "worker-keeps-its-last-op",
+        "a copy worker keeps the op it ran while it waits for the next: through the op's events the "
+        "device's queued copies keep a dropped controller, its threads and pools alive (31)",
+        "python/hicache/controller/controller.py",
+        "            del op\n",
+        "            pass\n",
+        ("tests/controller/test_controller.py", "-k", "dropped and queued_kv"),
+        {"HICACHE_TEST_HANG_S": "10"},
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",

@@ -117,6 +117,9 @@ def _worker_loop(q: queue.Queue, controller_ref: weakref.ref) -> None:
             if op is _STOP or not _run_op(controller_ref, op):
                 return
         finally:
+            # Not kept while waiting for the next: through its events, an op reaches the device's
+            # queued copies, whose work may hold the controller (a backup of KV still being written).
+            del op
             q.task_done()
 
 
