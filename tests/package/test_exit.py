@@ -223,15 +223,19 @@ engine = Engine(model, pool, c)
 for round in range(1000):
     engine.serve([Request([(r * 7 + k) % 97 for k in range(100)], 4, 0.0, r) for r in range(8)], max_running=4)
     if rank == 1 and round == 1:
-        sys.exit(0)  # leaves the group, the cache and its copies as they are
+        # Leaves the cache and its copies as they are. The group is destroyed first: with a live gloo
+        # group torch itself aborts at exit now and then (torch 2.11, a script of all_reduce and
+        # sys.exit without this package: 3 aborts in 12 runs; none in 16 with the group destroyed).
+        dist.destroy_process_group()
+        sys.exit(0)
 """
 
 
 @MODES
 def test_a_tp_rank_leaving_early(tmp_path, deferred):
-    """Two head-parallel ranks serve together; rank 1 leaves after two rounds. It exits 0 without a word;
-    rank 0's next collective fails (gloo: the peer closed the connection) and it exits 1 with that
-    traceback, not with SIGABRT."""
+    """Two head-parallel ranks serve together; rank 1 leaves after two rounds (its group destroyed, its
+    cache and copies as they are). It exits 0 without a word; rank 0's next collective fails (gloo: the
+    peer closed the connection) and it exits 1 with that traceback, not with SIGABRT."""
     path = script(tmp_path, RANK)
     init = str(tmp_path / "init")
     procs = [subprocess.Popen([sys.executable, str(path), str(rank), init], stdout=subprocess.PIPE,

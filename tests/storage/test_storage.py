@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -123,6 +124,25 @@ def test_file_round_trip_every_layout(tmp_path, layout, mla):
     with FileBackend(tmp_path).attach(other) as be:
         assert be.batch_get_into(keys, dst2) == [True] * 3
     assert page_bytes(other, dst2) == want
+
+
+def test_batches_start_no_thread(tmp_path, monkeypatch):
+    """Every I/O thread runs from construction: a batch still running at interpreter exit, where Python
+    3.12 refuses to start threads, finishes. Here starting a thread fails as it does there."""
+    host = host_pool("page_first", seed=4)
+    src, dst = host.alloc(4 * PAGE), host.alloc(4 * PAGE)
+    want = page_bytes(host, src)
+    keys = keys_for(4, salt="exit")
+    with FileBackend(tmp_path, num_threads=4).attach(host) as be:
+
+        def refuse(self):  # noqa: ANN001
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        assert be.batch_set_from(keys, src) == [True] * 4
+        assert be.batch_get_into(keys, dst) == [True] * 4
+        monkeypatch.undo()
+    assert page_bytes(host, dst) == want
 
 
 def test_round_trip_compares_whole_tensors(tmp_path):

@@ -23,7 +23,7 @@ import torch
 from mooncakedata import HANG_S, Master, free_ports, make_backend
 from storagedata import PAGE, host_pool, page_bytes
 
-from hicache.storage import Namespace, create_backend, page_keys
+from hicache.storage import Namespace, create_backend, mooncake_calls, page_keys
 from hicache_kernels import layouts
 
 from kvdata import random_bytes_
@@ -148,6 +148,21 @@ def test_a_call_on_time_leaves_no_slot_busy(fake_mooncake):
         assert be.batch_get_into(keys, dst) == [True, True]
         assert page_bytes(host, dst) == page_bytes(host, src)
         assert not be.slots_busy(src) and not be.slots_busy(dst) and be.stats()["abandoned"] == 0
+
+
+def test_a_call_whose_thread_cannot_start_is_not_left_running(monkeypatch):
+    """Where no thread may start (Python 3.12 at interpreter exit) the call is refused, and not counted
+    as running: the exit hook does not wait for it."""
+    workers = mooncake_calls._Workers()
+
+    def refuse(self):  # noqa: ANN001
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't create new thread"):
+        workers.submit(lambda: None)
+    monkeypatch.undo()
+    assert workers._stop_at_exit(0.1) is None
 
 
 # -- round trips ------------------------------------------------------------------------------------------

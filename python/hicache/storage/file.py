@@ -98,6 +98,18 @@ HEADER_BYTES = DIRECT_ALIGN  # the header block: the header, then zeros; the pay
 _PAD = bytes(HEADER_BYTES - _HEADER.size)
 
 
+def _started_pool(num_threads: int) -> ThreadPoolExecutor:
+    """A thread pool whose ``num_threads`` threads run from now on. :class:`ThreadPoolExecutor` starts
+    a thread when work finds none idle, but a backup still running at interpreter exit (it finishes;
+    :mod:`hicache.streams.lifetime`) cannot start one there: Python 3.12 refuses new threads once
+    finalization began. Each thread is started by a task that waits until all have started."""
+    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-file")
+    started = threading.Barrier(num_threads)
+    for f in [pool.submit(started.wait, 60.0) for _ in range(num_threads)]:
+        f.result()
+    return pool
+
+
 class FileBackend(StorageBackend):
     """Page objects as files under ``path``.
 
@@ -159,7 +171,7 @@ class FileBackend(StorageBackend):
         self._used = 0
         self._counts.update(evictions=0, corrupt=0, foreign=0, direct_pages=0, direct_fallbacks=0)
         self._local = threading.local()  # each thread's aligned header block (direct I/O)
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-file")
+        self._pool = _started_pool(num_threads)
         self.num_threads = num_threads
         self._closed = False
         self._scan()

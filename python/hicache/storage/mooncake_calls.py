@@ -56,7 +56,13 @@ class _Workers:
             if not start:
                 self._idle -= 1
         if start:
-            threading.Thread(target=self._loop, name="hicache-mooncake", daemon=True).start()
+            try:
+                threading.Thread(target=self._loop, name="hicache-mooncake", daemon=True).start()
+            except RuntimeError:  # Python >= 3.12 during interpreter exit: no new thread, so no call
+                with self._lock:
+                    self._busy -= 1
+                    self._lock.notify_all()
+                raise
         self._jobs.put(job)
 
     def _loop(self) -> None:
