@@ -176,6 +176,24 @@ MUTANTS = [
         {"HICACHE_TEST_HANG_S": "10"},
     ),
     Mutant(
+        "file-threads-started-on-demand",
+        "the file backend starts its I/O threads when a batch needs them: a backup running at exit fails "
+        "on Python 3.12, which refuses new threads during finalization (31)",
+        "python/hicache/storage/file.py",
+        "        self._pool = _started_pool(num_threads)\n",
+        '        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-file")\n',
+        ("tests/storage/test_storage.py", "-k", "start_no_thread"),
+    ),
+    Mutant(
+        "mooncake-call-counted-without-its-thread",
+        "a Mooncake call whose thread could not start stays counted as running: the exit hook waits its "
+        "whole timeout for it (31)",
+        "python/hicache/storage/mooncake_calls.py",
+        "                    self._busy -= 1\n                    self._lock.notify_all()\n                raise\n",
+        "                    pass\n                raise\n",
+        ("tests/storage/test_storage_mooncake.py", "-k", "cannot_start"),
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",

@@ -153,6 +153,7 @@ def test_a_call_on_time_leaves_no_slot_busy(fake_mooncake):
 def test_a_call_whose_thread_cannot_start_is_not_left_running(monkeypatch):
     """Where no thread may start (Python 3.12 at interpreter exit) the call is refused, and not counted
     as running: the exit hook does not wait for it."""
+    monkeypatch.setattr(mooncake_calls.lifetime, "stop_at_exit", lambda stop: 0)  # this test's own workers
     workers = mooncake_calls._Workers()
 
     def refuse(self):  # noqa: ANN001
