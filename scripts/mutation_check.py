@@ -194,6 +194,23 @@ MUTANTS = [
         ("tests/storage/test_storage_mooncake.py", "-k", "cannot_start"),
     ),
     Mutant(
+        "host-setup-skips-a-share",
+        "the host buffer's last share of pages is not populated by the set-up threads: those pages fault "
+        "in later, in the registration or the first copies (32 #7)",
+        "python/hicache/pools/host_memory.py",
+        "    shares = [(bounds[i], bounds[i + 1]) for i in range(threads) if bounds[i + 1] > bounds[i]]\n",
+        "    shares = [(bounds[i], bounds[i + 1]) for i in range(threads - 1) if bounds[i + 1] > bounds[i]]\n",
+        ("tests/pools/test_host_memory.py", "-k", "populate"),
+    ),
+    Mutant(
+        "host-pages-not-bound-to-the-node",
+        "HostSetup(numa_node=...) does not bind the pages: they land where the touching thread runs (32 #7)",
+        "python/hicache/pools/host_memory.py",
+        "            _bind(libc, ptr, size, setup.numa_node)\n",
+        "            pass\n",
+        ("tests/pools/test_host_memory.py", "-k", "numa"),
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",

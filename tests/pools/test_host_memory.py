@@ -232,3 +232,133 @@ def test_pinned_memory_is_registered_with_the_pools_device_current(fake_cuda, mo
     assert seen == ["cuda:1"] and current == ["cuda:0"] and buf.shape == (4, 1024)
     host_memory.empty_host((4, 1024), torch.float16, pin=True)  # no device named: the current one
     assert seen == ["cuda:1", "cuda:0"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up at serving size: pages populated by several threads before the pool is pinned (issue 32 #7)
+# ---------------------------------------------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident(ptr: int, nbytes: int) -> list[int]:
+    """Per OS page of ``[ptr, ptr + nbytes)``: 1 when it is in RAM (mincore), else 0."""
+    vec = (ctypes.c_ubyte * (nbytes // PAGE))()
+    assert _libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return [v & 1 for v in vec]
+
+
+def test_mincore_sees_pages_not_yet_touched():
+    """The control for the tests below: a fresh mapping is not resident until written."""
+    mem = mmap.mmap(-1, 8 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+    assert resident(ptr, 8 * PAGE) == [0] * 8
+    mem[3 * PAGE] = 1
+    assert resident(ptr, 8 * PAGE) == [0, 0, 0, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("populate", ["madvise", "write"])
+def test_threads_populate_every_page(monkeypatch, threads, populate):
+    """Every page of the mapping (the last one's tail too) is resident and zero after set-up, with any
+    thread count, also where the kernel lacks MADV_POPULATE_WRITE (the strided write)."""
+    monkeypatch.setattr(host_memory, "_SMALL_BYTES", 0)  # several threads even for a small buffer
+    if populate == "write":
+        monkeypatch.setattr(host_memory, "_MADV_POPULATE_WRITE", 0x7FFF)  # EINVAL, as before Linux 5.14
+    shape = (37, 1000)  # 74,000 bytes: 19 OS pages, the last one partly
+    buf, report = host_memory.make_host(shape, torch.float16, pin=False, setup=host_memory.HostSetup(threads=threads))
+    assert report.nbytes == rounded(buf.numel() * 2) and report.threads == threads
+    assert report.populate == populate and report.populate_s > 0 and report.register_s == 0.0
+    assert resident(buf.data_ptr(), report.nbytes) == [1] * (report.nbytes // PAGE)
+    assert not buf.any()
+    random_bytes_(buf, torch.Generator().manual_seed(5))
+    assert ctypes.string_at(buf.data_ptr(), buf.numel() * 2) == flat_bytes(buf)
+
+
+def test_a_pinned_pool_is_populated_before_it_is_registered(fake_cuda, monkeypatch):
+    """cudaHostRegister finds every page resident: the threads did the faulting, not the registration."""
+    seen = []
+    register = fake_cuda.cudaHostRegister
+
+    def looking(ptr: int, nbytes: int, flags: int) -> int:
+        seen.append(resident(ptr, nbytes))
+        return register(ptr, nbytes, flags)
+
+    monkeypatch.setattr(fake_cuda, "cudaHostRegister", looking)
+    monkeypatch.setattr(host_memory, "_SMALL_BYTES", 0)
+    host = HostKVPool(dev_pool(), ratio=2.5, pin_memory=True, mem_available_bytes=BIG_RAM,
+                      setup=host_memory.HostSetup(threads=2))  # fmt: skip
+    ((ptr, nbytes, _),) = fake_cuda.registered
+    assert seen == [[1] * (nbytes // PAGE)]
+    r = host.setup_report
+    assert (r.nbytes, r.threads, r.populate) == (nbytes, 2, "madvise") and r.register_s > 0
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(threads=0), ValueError, "threads"),
+        (dict(threads=-2), ValueError, "threads"),
+        (dict(threads=True), ValueError, "threads"),
+        (dict(threads=2.0), ValueError, "threads"),
+        (dict(huge_pages="yes"), TypeError, "huge_pages"),
+        (dict(numa_node=-1), ValueError, "numa_node"),
+        (dict(numa_node=4096), ValueError, "numa_node: node 4096 has no memory here"),
+    ],
+)
+def test_setup_arguments_checked(kw, error, match):
+    with pytest.raises(error, match=match):
+        host_memory.HostSetup(**kw)
+
+
+def test_a_pool_refuses_a_setup_of_the_wrong_type(fake_cuda):
+    with pytest.raises(TypeError, match="setup: expected a host_memory.HostSetup"):
+        HostKVPool(dev_pool(), ratio=2.5, pin_memory=True, mem_available_bytes=BIG_RAM, setup={"threads": 2})
+    assert fake_cuda.registered == []  # nothing pinned
+
+
+def vm_flags(ptr: int) -> list[str]:
+    """The VmFlags /proc/self/smaps lists for the mapping that starts at ``ptr``."""
+    found = False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split(" ")[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            found = head.split("-")[0] == f"{ptr:x}"
+        elif found and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping starts at {ptr:#x} in /proc/self/smaps")
+
+
+def test_numa_node_binds_the_whole_mapping_before_it_is_populated(monkeypatch):
+    """Machine-independent: the node is bound over the whole mapping while no page is resident yet
+    (a page faulted in before the binding stays where it landed)."""
+    calls = []
+    monkeypatch.setattr(host_memory, "numa_nodes", lambda: [0, 3])
+    monkeypatch.setattr(host_memory, "_bind", lambda libc, ptr, size, node: calls.append(
+        (ptr, size, node, sum(resident(ptr, size)))))  # fmt: skip
+    buf, report = host_memory.make_host((3, 5000), torch.float16, pin=False,
+                                        setup=host_memory.HostSetup(numa_node=3))  # fmt: skip
+    assert calls == [(buf.data_ptr(), report.nbytes, 3, 0)] and report.numa_node == 3
+
+
+@pytest.mark.skipif(0 not in host_memory.numa_nodes(), reason="no NUMA node 0 with memory here")
+def test_pages_bound_to_the_numa_node():
+    buf, report = host_memory.make_host((64, 1024), torch.float16, pin=False,
+                                        setup=host_memory.HostSetup(numa_node=0))  # fmt: skip
+    assert report.numa_node == 0
+    lines = open("/proc/self/numa_maps").read().splitlines()
+    mine = [x.split() for x in lines if x.startswith(f"{buf.data_ptr():x} ")]
+    assert len(mine) == 1 and mine[0][1] == "bind:0", mine
+    assert not buf.any()
+
+
+def test_huge_pages_advised_where_the_kernel_honours_it():
+    buf, report = host_memory.make_host((64, 1024), torch.float16, pin=False,
+                                        setup=host_memory.HostSetup(huge_pages=True))  # fmt: skip
+    mode = host_memory._thp_mode()
+    if mode in ("always", "madvise"):
+        assert report.huge_pages and report.huge_pages_note == ""
+        assert "hg" in vm_flags(buf.data_ptr())  # the kernel recorded the advice on this mapping
+    else:
+        assert not report.huge_pages and report.huge_pages_note
+    plain = host_memory.make_host((64, 1024), torch.float16, pin=False)[1]
+    assert not plain.huge_pages and plain.huge_pages_note == ""

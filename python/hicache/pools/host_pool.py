@@ -117,6 +117,9 @@ class HostKVPool:
         not torch's caching host allocator, which rounds up to a power of two).
     safety_margin_gb : GiB of available RAM to leave untouched (default 2.0).
     mem_available_bytes : available RAM in bytes; default read from ``/proc/meminfo`` (MemAvailable).
+    setup : how the buffer's memory is made ready, a :class:`hicache.pools.host_memory.HostSetup`
+        (threads that populate its pages before it is pinned, transparent huge pages, a NUMA node);
+        default: several threads, no huge pages, no binding. What it took is ``setup_report``.
 
     The size is rounded down to whole pages. ``ValueError`` naming ``size_gb`` or ``ratio`` when the
     request is not positive, not larger than the device pool (as in SGLang's HiCache, host eviction
@@ -134,6 +137,8 @@ class HostKVPool:
     allocated_bytes : host RAM ``buffer`` takes: ``total_bytes`` rounded up to OS pages when pinned,
         ``total_bytes`` when pageable.
     pinned_bytes : page-locked bytes: ``allocated_bytes`` when pinned, else 0.
+    setup_report : a :class:`hicache.pools.host_memory.SetupReport`: threads, seconds to populate the
+        pages and to pin them.
 
     Examples
     --------
@@ -157,6 +162,7 @@ class HostKVPool:
         pin_memory: bool | None = None,
         safety_margin_gb: float = 2.0,
         mem_available_bytes: int | None = None,
+        setup: host_memory.HostSetup | None = None,
     ) -> None:
         if not isinstance(device_pool, DeviceKVPool):
             raise TypeError(f"device_pool: expected a DeviceKVPool, got {type(device_pool).__name__}")
@@ -215,7 +221,11 @@ class HostKVPool:
             head_num=self.head_num,
             head_dim=self.head_dim,
         )
-        self.buffer = host_memory.empty_host(shape, self.dtype, pin=pin_memory, device=device_pool.device)
+        if setup is not None and not isinstance(setup, host_memory.HostSetup):
+            raise TypeError(f"setup: expected a host_memory.HostSetup or None, got {type(setup).__name__}")
+        self.buffer, self.setup_report = host_memory.make_host(
+            shape, self.dtype, pin=pin_memory, device=device_pool.device, setup=setup
+        )
         self.allocated_bytes = need
         self.pinned_bytes = need if pin_memory else 0
         self.pinned = pin_memory
