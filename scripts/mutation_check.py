@@ -211,6 +211,15 @@ MUTANTS = [
         ("tests/pools/test_host_memory.py", "-k", "numa"),
     ),
     Mutant(
+        "pinned-pool-unregistered-under-queued-copies",
+        "a dropped pinned pool is unregistered without waiting for its device: copies still queued read or "
+        "write memory that is gone (32 #6)",
+        "python/hicache/pools/host_memory.py",
+        "        torch.cuda.synchronize(device_index)\n",
+        "        pass\n",
+        ("tests/pools/test_host_memory.py", "-k", "waits_for_its_device"),
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",

@@ -7,6 +7,7 @@ the memory, its mapping and the tensor over it are real. The ``gpu`` test pins f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import mmap
@@ -133,6 +134,24 @@ def test_pinned_memory_unregistered_when_its_last_tensor_goes(fake_cuda):
     del host
     gc.collect()
     assert fake_cuda.unregistered == [ptr, ptr2]
+
+
+@pytest.mark.parametrize("device, synced", [(None, None), (torch.device("cuda", 1), 1)], ids=["current", "cuda:1"])
+def test_a_dropped_pinned_buffer_waits_for_its_device_before_it_is_unregistered(fake_cuda, monkeypatch, device, synced):
+    """Copies still queued on the device may use the memory of a pool dropped without close(): its
+    device's work lands before the memory is unregistered (and then unmapped)."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: events.append(("synchronize", index)))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    unregister = fake_cuda.cudaHostUnregister
+    monkeypatch.setattr(fake_cuda, "cudaHostUnregister", lambda ptr: (events.append(("unregister", ptr)),
+                                                                      unregister(ptr))[1])  # fmt: skip
+    buf = host_memory.empty_host((4, 1024), torch.float16, pin=True, device=device)
+    ((ptr, _, _),) = fake_cuda.registered
+    assert events == []
+    del buf
+    gc.collect()
+    assert events == [("synchronize", synced), ("unregister", ptr)]
 
 
 def test_failed_register_raises_naming_it(monkeypatch):

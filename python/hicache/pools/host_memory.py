@@ -99,8 +99,15 @@ def _error_text(cudart: Any, err: Any) -> str:
         return f"cudaError {int(err)}"
 
 
-def _unregister(cudart: Any, ptr: int) -> None:
-    # Runs when the last tensor over the memory is gone; nothing is left to tell about a failure.
+def _unregister(cudart: Any, ptr: int, device_index: int | None) -> None:
+    """Runs when the last tensor over the memory is gone; nothing is left to tell about a failure. A pool
+    dropped with copies still queued on its device (no ``close()``: its controller collected with them)
+    would have them read or write memory that is no longer there, so the device's queued work lands
+    first: a wait for the device (the pool's; None: the current one) once per pool dropped."""
+    try:
+        torch.cuda.synchronize(device_index)
+    except Exception:  # noqa: BLE001 - a broken context must not keep the memory registered
+        pass
     cudart.cudaHostUnregister(ptr)
 
 
@@ -318,7 +325,8 @@ def make_host(
                 f"pin_memory: cudaHostRegister of {size} bytes ({nbytes} bytes of pool rounded up to "
                 f"{PAGE_BYTES}-byte pages) at {ptr:#x} failed: {_error_text(cudart, err)}"
             )
-        weakref.finalize(raw, _unregister, cudart, ptr).atexit = False  # at exit the process releases it
+        index = device.index if device is not None and device.type == "cuda" else None
+        weakref.finalize(raw, _unregister, cudart, ptr, index).atexit = False  # at exit the process releases it
     report = SetupReport(size, threads, how, populate_s, register_s, huge, note, setup.numa_node)
     return torch.from_numpy(raw).view(dtype).view(shape), report
 
