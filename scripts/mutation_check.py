@@ -220,6 +220,15 @@ MUTANTS = [
         ("tests/pools/test_host_memory.py", "-k", "waits_for_its_device"),
     ),
     Mutant(
+        "triton-grid-not-persistent",
+        "each Triton program takes one work item and stops: with the grid capped, row blocks and layers "
+        "past the cap are never copied (32 #4)",
+        "hicache_kernels/backends/triton.py",
+        "    for work in range(pid, row_blocks * units, num_programs):\n",
+        "    for work in range(pid, pid + 1):\n",
+        ("tests/kernels/test_triton_transfer.py", "-k", "capped"),
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",
@@ -249,7 +258,7 @@ MUTANTS = [
         "Triton specializes n and layer_begin on 1 and multiples of 16: a route compiles a dozen variants, "
         "each a stall the first time it shows up mid-serving (32 #4)",
         "hicache_kernels/backends/triton.py",
-        'PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride", "n", "layer_begin", "layer_count")',
+        'PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride", "n", "layer_begin", "layer_count", "units")',
         'PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride")',
         ("tests/kernels/test_triton_transfer.py", "-k", "61_layer"),
     ),

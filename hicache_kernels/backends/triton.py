@@ -15,12 +15,14 @@ stores (``ld/st.global.v2.b64`` or ``.v4.b32``; tests/kernels/test_triton_qualit
 
 Work split
 ----------
-Program ``(r, u)`` moves rows ``[r * ROWS, (r + 1) * ROWS)`` of the index pairs for unit ``u``, one
-(kv, layer) pair: ``kv = u // layer_count``, ``l = layer_begin + u % layer_count``. Its tile is
-``ROWS x BLOCK`` elements: ``BLOCK`` is the item size in elements rounded up to a power of two (capped
-at :data:`MAX_BLOCK`; longer items loop), and ``ROWS`` packs several small items into one program so
-each program moves about :data:`TILE_BYTES`. Grid: ``(cdiv(n, ROWS), num_kv * layer_count)``;
-``n == 0`` launches nothing. Offsets are int64 throughout. A pair whose source or destination index
+A work item ``w`` is row block ``r = w % cdiv(n, ROWS)`` (rows ``[r * ROWS, (r + 1) * ROWS)`` of the
+index pairs) of unit ``u = w // cdiv(n, ROWS)``, one (kv, layer) pair: ``kv = u // layer_count``,
+``l = layer_begin + u % layer_count``. Its tile is ``ROWS x BLOCK`` elements: ``BLOCK`` is the item
+size in elements rounded up to a power of two (capped at :data:`MAX_BLOCK`; longer items loop), and
+``ROWS`` packs several small items into one program so each tile is about :data:`TILE_BYTES`. The grid
+is persistent and one-dimensional: ``min(cdiv(n, ROWS) * units, max_programs)`` programs (default
+:data:`DEFAULT_MAX_PROGRAMS`), program ``p`` taking work items ``p, p + P, ...``; ``n == 0`` launches
+nothing. Offsets are int64 throughout. A pair whose source or destination index
 is outside ``[0, num_slots)`` of its side (negative too) is masked out: nothing is read or written for
 it, whether or not the plan was checked.
 
@@ -66,8 +68,8 @@ from .._ext import BackendUnavailableError
 from ..plan import Route, Side, TransferPlan
 from .base import IOBackend, device_indices, pinned_reason, prepare_gpu_launch
 
-__all__ = ["MAX_BLOCK", "MAX_UNITS", "TILE_BYTES", "TritonBackend", "element_width", "launch_shape", "pick_width",
-           "run_triton"]  # fmt: skip
+__all__ = ["DEFAULT_MAX_PROGRAMS", "MAX_BLOCK", "TILE_BYTES", "TritonBackend", "check_max_programs", "element_width",
+           "grid_programs", "launch_shape", "pick_width", "run_triton"]  # fmt: skip
 
 # Filled by _import_triton(); the kernel resolves ``tl`` from this module's globals when it compiles.
 tl: Any = None
@@ -76,8 +78,13 @@ TILE_BYTES = 8192
 """Bytes one program moves per loop iteration (``ROWS * BLOCK * width``) when items are small."""
 MAX_BLOCK = 4096
 """Largest ``BLOCK`` (elements per row per iteration); longer items loop inside the program."""
-MAX_UNITS = 65535
-"""CUDA's limit on grid dimension 1, which holds the (kv, layer) units."""
+DEFAULT_MAX_PROGRAMS = 64
+"""Programs a launch runs at most (a persistent grid: each takes row blocks of (kv, layer) units in turn).
+Bounded so a transfer occupies a few SMs beside the model's kernels rather than flooding every SM (an
+uncapped grid of ``cdiv(n, ROWS) x units`` programs slowed a GEMM beside it 1.63x in tokenspeed#150);
+64 programs of 4 warps are about the ``kernel`` backend's default 4 x 32 warps x 2."""
+MAX_PROGRAMS_LIMIT = 2**31 - 1
+"""CUDA's limit on grid dimension 0."""
 
 _WIDTH_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -97,6 +104,7 @@ def _transfer_kernel(
     n,
     layer_begin,
     layer_count,
+    units,  # num_kv * layer_count: the (kv, layer) units to move
     item_elems,  # num_chunks * chunk_elems
     chunk_elems,
     # Per side: every stride below is in elements of ELEM, not bytes.
@@ -125,55 +133,61 @@ def _transfer_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row_block = tl.program_id(0).to(tl.int64)
-    unit = tl.program_id(1).to(tl.int64)
-    kv = unit // layer_count
-    layer = layer_begin + unit % layer_count
-
-    # Base of this (kv, layer) on each side, in ELEMs from ``anchor``: a table lookup, or the affine
-    # base plus kv/layer strides. Addressing everything from one pointer whose alignment Triton knows
-    # lets the alignment hints below reach the loads and stores (16-byte vectors when VEC > 1); a
-    # pointer read from a table or cast from an integer carries no alignment of its own.
+    # A persistent grid: program p takes work items p, p + P, ... (P programs, capped by the launcher),
+    # each one row block of one (kv, layer) unit, unit-major: the programs sweep a layer's rows together.
+    pid = tl.program_id(0).to(tl.int64)
+    num_programs = tl.num_programs(0).to(tl.int64)
+    row_blocks = (n.to(tl.int64) + ROWS - 1) // ROWS
     origin = anchor.to(tl.int64)
-    if SRC_TABLE:
-        src_base = (tl.load(src + kv * src_num_layers + layer) - origin) // WIDTH
-    else:
-        src_base = (src.to(tl.int64) - origin) // WIDTH + kv * src_s_kv + layer * src_s_layer
-    if DST_TABLE:
-        dst_base = (tl.load(dst + kv * dst_num_layers + layer) - origin) // WIDTH
-    else:
-        dst_base = (dst.to(tl.int64) - origin) // WIDTH + kv * dst_s_kv + layer * dst_s_layer
-
-    rows = row_block * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    in_n = rows < n
-    s = tl.load(src_idx + rows * src_idx_stride, mask=in_n, other=0).to(tl.int64)
-    d = tl.load(dst_idx + rows * dst_idx_stride, mask=in_n, other=0).to(tl.int64)
-    # Out-of-range pairs are masked even for unchecked plans: never touch memory outside the pools.
-    ok = in_n & (s >= 0) & (s < src_num_slots) & (d >= 0) & (d < dst_num_slots)
-    s_row = src_base + (s // src_page_size) * src_s_page + (s % src_page_size) * src_s_in_page
-    d_row = dst_base + (d // dst_page_size) * dst_s_page + (d % dst_page_size) * dst_s_in_page
-    # Every base and stride is a multiple of VEC ELEMs (the launcher checked): each row starts aligned.
-    s_row = tl.multiple_of(s_row, VEC)
-    d_row = tl.multiple_of(d_row, VEC)
-
     cols = tl.arange(0, BLOCK)
-    for start in range(0, item_elems, BLOCK):
-        e = start + cols  # int32: an item is far below 2**31 elements
-        if MULTI_CHUNK:
-            # Chunk c of an item sits s_chunk apart on each side; split in int32, widen before scaling.
-            c = e // chunk_elems
-            j = (e - c * chunk_elems).to(tl.int64)
-            # Chunks and chunk strides are multiples of VEC: runs of VEC contiguous, aligned elements.
-            s_col = tl.max_contiguous(tl.multiple_of(c.to(tl.int64) * src_s_chunk + j, VEC), VEC)
-            d_col = tl.max_contiguous(tl.multiple_of(c.to(tl.int64) * dst_s_chunk + j, VEC), VEC)
+    for work in range(pid, row_blocks * units, num_programs):
+        unit = work // row_blocks
+        row_block = work - unit * row_blocks
+        kv = unit // layer_count
+        layer = layer_begin + unit % layer_count
+
+        # Base of this (kv, layer) on each side, in ELEMs from ``anchor``: a table lookup, or the affine
+        # base plus kv/layer strides. Addressing everything from one pointer whose alignment Triton knows
+        # lets the alignment hints below reach the loads and stores (16-byte vectors when VEC > 1); a
+        # pointer read from a table or cast from an integer carries no alignment of its own.
+        if SRC_TABLE:
+            src_base = (tl.load(src + kv * src_num_layers + layer) - origin) // WIDTH
         else:
-            s_col = e.to(tl.int64)
-            d_col = e.to(tl.int64)
-        # item_elems is a multiple of VEC: testing the start of e's VEC-group gives the same mask, and
-        # one that is visibly constant over each group (needed for vector accesses).
-        mask = ok[:, None] & ((e // VEC) * VEC < item_elems)[None, :]
-        vals = tl.load(anchor + s_row[:, None] + s_col[None, :], mask=mask)
-        tl.store(anchor + d_row[:, None] + d_col[None, :], vals, mask=mask)
+            src_base = (src.to(tl.int64) - origin) // WIDTH + kv * src_s_kv + layer * src_s_layer
+        if DST_TABLE:
+            dst_base = (tl.load(dst + kv * dst_num_layers + layer) - origin) // WIDTH
+        else:
+            dst_base = (dst.to(tl.int64) - origin) // WIDTH + kv * dst_s_kv + layer * dst_s_layer
+
+        rows = row_block * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        in_n = rows < n
+        s = tl.load(src_idx + rows * src_idx_stride, mask=in_n, other=0).to(tl.int64)
+        d = tl.load(dst_idx + rows * dst_idx_stride, mask=in_n, other=0).to(tl.int64)
+        # Out-of-range pairs are masked even for unchecked plans: never touch memory outside the pools.
+        ok = in_n & (s >= 0) & (s < src_num_slots) & (d >= 0) & (d < dst_num_slots)
+        s_row = src_base + (s // src_page_size) * src_s_page + (s % src_page_size) * src_s_in_page
+        d_row = dst_base + (d // dst_page_size) * dst_s_page + (d % dst_page_size) * dst_s_in_page
+        # Every base and stride is a multiple of VEC ELEMs (the launcher checked): each row starts aligned.
+        s_row = tl.multiple_of(s_row, VEC)
+        d_row = tl.multiple_of(d_row, VEC)
+
+        for start in range(0, item_elems, BLOCK):
+            e = start + cols  # int32: an item is far below 2**31 elements
+            if MULTI_CHUNK:
+                # Chunk c of an item sits s_chunk apart on each side; split in int32, widen before scaling.
+                c = e // chunk_elems
+                j = (e - c * chunk_elems).to(tl.int64)
+                # Chunks and chunk strides are multiples of VEC: runs of VEC contiguous, aligned elements.
+                s_col = tl.max_contiguous(tl.multiple_of(c.to(tl.int64) * src_s_chunk + j, VEC), VEC)
+                d_col = tl.max_contiguous(tl.multiple_of(c.to(tl.int64) * dst_s_chunk + j, VEC), VEC)
+            else:
+                s_col = e.to(tl.int64)
+                d_col = e.to(tl.int64)
+            # item_elems is a multiple of VEC: testing the start of e's VEC-group gives the same mask, and
+            # one that is visibly constant over each group (needed for vector accesses).
+            mask = ok[:, None] & ((e // VEC) * VEC < item_elems)[None, :]
+            vals = tl.load(anchor + s_row[:, None] + s_col[None, :], mask=mask)
+            tl.store(anchor + d_row[:, None] + d_col[None, :], vals, mask=mask)
 
 
 def _import_triton() -> Any:
@@ -196,7 +210,7 @@ _INTERPRETER_LOCK = threading.Lock()  # one interpreted launch at a time (see th
 # Arguments that change from call to call of one route: Triton would specialize each on being 1 or a
 # multiple of 16 and compile another variant for each combination it meets (a stall of hundreds of
 # milliseconds each, the first time one shows up mid-serving). Everything else is fixed per route.
-PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride", "n", "layer_begin", "layer_count")
+PER_CALL_ARGS = ("src_idx_stride", "dst_idx_stride", "n", "layer_begin", "layer_count", "units")
 
 
 @functools.lru_cache(maxsize=2)
@@ -330,7 +344,21 @@ def _cpu_arg(route: Route, side: Side, tensors: tuple[torch.Tensor, ...], name: 
 # --------------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------------
-def run_triton(plan: TransferPlan) -> None:
+def check_max_programs(max_programs: Any) -> int:
+    """``max_programs`` if it is an int in ``[1, 2**31 - 1]``; else ``ValueError`` naming it."""
+    ok = isinstance(max_programs, int) and not isinstance(max_programs, bool)
+    if not ok or not 1 <= max_programs <= MAX_PROGRAMS_LIMIT:
+        raise ValueError(f"max_programs: expected an int in [1, {MAX_PROGRAMS_LIMIT}], got {max_programs!r}")
+    return max_programs
+
+
+def grid_programs(n: int, rows: int, units: int, max_programs: int) -> int:
+    """Programs of a launch: one per work item (a row block of ``rows`` of one of ``units``), at most
+    ``max_programs``; the kernel loops over the rest."""
+    return min(_cdiv(n, rows) * units, max_programs)
+
+
+def run_triton(plan: TransferPlan, max_programs: int | None = None) -> None:
     """Perform ``plan`` with one Triton kernel launch (none when there is nothing to move).
 
     Parameters
@@ -341,6 +369,9 @@ def run_triton(plan: TransferPlan) -> None:
         tensors of equal length ``n`` (slot indices). CPU-only plans run under the Triton interpreter;
         plans with a CUDA device pool run on that GPU with the host side addressed zero-copy (it
         must be pinned).
+    max_programs : int, optional
+        Programs the launch runs at most (default :data:`DEFAULT_MAX_PROGRAMS`); each loops over row
+        blocks of (kv, layer) units until the transfer is done.
 
     Raises
     ------
@@ -348,7 +379,8 @@ def run_triton(plan: TransferPlan) -> None:
         Triton does not import; CPU tensors without ``TRITON_INTERPRET=1``; CUDA tensors with it.
     ValueError
         A host pool that is not pinned in a CUDA transfer (names ``host``); index tensors of
-        different lengths or not 1-D; ``plan.stream`` on another device than the device pool.
+        different lengths or not 1-D; ``plan.stream`` on another device than the device pool;
+        ``max_programs`` not a positive int.
 
     Notes
     -----
@@ -395,17 +427,16 @@ def run_triton(plan: TransferPlan) -> None:
             "pinned memory; got a non-pinned CPU tensor (allocate it with pin_memory=True)"
         )
 
+    max_programs = check_max_programs(DEFAULT_MAX_PROGRAMS if max_programs is None else max_programs)
     units = route.num_kv * route.layer_count
     if n == 0 or units == 0 or route.num_chunks == 0 or route.chunk_bytes == 0:
         return  # nothing to move: launch nothing (a zero-sized grid is an error on CUDA)
-    if units > MAX_UNITS:
-        raise ValueError(f"plan: {units} (kv, layer) units exceed the grid limit {MAX_UNITS}")
     kernel = _kernel(interpret)
 
     def launch(shape: _Shape, device: torch.device | None, src_arg: Any, dst_arg: Any, s_idx: torch.Tensor,
                d_idx: torch.Tensor) -> None:  # fmt: skip
         width = shape.width
-        kernel[(_cdiv(n, shape.rows), units)](
+        kernel[(grid_programs(n, shape.rows, units, max_programs),)](
             _anchor(width, device),
             src_arg,
             dst_arg,
@@ -416,6 +447,7 @@ def run_triton(plan: TransferPlan) -> None:
             n,
             route.layer_begin,
             route.layer_count,
+            units,
             shape.item_elems,
             shape.chunk_elems,
             *shape.src_scalars,
@@ -478,9 +510,21 @@ def _tl_elem(width: int) -> Any:
 
 class TritonBackend(IOBackend):
     """Triton gather/scatter (:func:`run_triton`): on a CUDA device pool with a pinned host pool, or on
-    CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``). All its work happens at issue."""
+    CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``). All its work happens at issue.
+
+    Parameters
+    ----------
+    max_programs : int
+        Programs a launch runs at most (default :data:`DEFAULT_MAX_PROGRAMS`): a persistent grid, so a
+        transfer takes a bounded share of the SMs whatever its size (``get_backend("triton",
+        max_programs=16)``).
+    """
 
     name = "triton"
+
+    def __init__(self, max_programs: int = DEFAULT_MAX_PROGRAMS) -> None:
+        super().__init__()
+        self.max_programs = check_max_programs(max_programs)
 
     def unavailable(self, plan: TransferPlan) -> str | None:
         if plan.route.on_cuda:
@@ -490,4 +534,4 @@ class TritonBackend(IOBackend):
         return None
 
     def _run(self, plan: TransferPlan) -> None:
-        run_triton(plan)
+        run_triton(plan, self.max_programs)

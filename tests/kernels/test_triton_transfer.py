@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import itertools
 import math
 import os
@@ -211,6 +212,60 @@ def test_multiple_row_blocks_and_block_loop(monkeypatch: pytest.MonkeyPatch, lay
     case = Case(layout, False, torch.float16, 16, 3, 3, None, direction, num_layers=2, n=7)
     assert tt.launch_shape(9, 2)[:2] == (2, 4)  # 9-element items: 3 iterations, 2 rows per program
     _check(case, seed=2)
+
+
+@pytest.mark.parametrize("max_programs", [1, 3, 7, 64])
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_a_capped_grid_moves_everything(monkeypatch, max_programs, layout, direction) -> None:
+    """A persistent grid: fewer programs than work items (row blocks x (kv, layer) units), each looping
+    over its share; the launch runs exactly min(work, max_programs) programs."""
+    monkeypatch.setattr(tt, "TILE_BYTES", 16)  # 2 rows per program: 6 row blocks of 11 indices
+    case = Case(layout, False, torch.float16, 16, 2, 4, None, direction, num_layers=3, n=11)
+    grids = []
+    kernel = tt._kernel
+
+    def recording(interpret: bool):
+        jitted = kernel(interpret)
+
+        class Launch:
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return jitted[grid]
+
+        return Launch()
+
+    monkeypatch.setattr(tt, "_kernel", recording)
+    torch.manual_seed(4)
+    pools = _pools(case)
+    dev_idx, host_idx = _indices(case, 4)
+    want = _expected(case, pools, dev_idx, host_idx)
+    tt.run_triton(_plan(case, pools, dev_idx, host_idx), max_programs)
+    _assert_pools_equal(pools, want)
+    rows = tt.launch_shape(2 * 4, 2)[0]
+    work = -(-case.n // rows) * 2 * case.num_layers
+    assert work > 7 and grids == [(min(work, max_programs),)]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, 2**31, "8"])
+def test_max_programs_checked(bad) -> None:
+    with pytest.raises(ValueError, match="max_programs: expected an int"):
+        tt.TritonBackend(max_programs=bad)
+    case = Case("page_first", False, torch.float16, 16, 2, 4, None, "h2d", num_layers=2, n=5)
+    pools = _pools(case)
+    dev_idx, host_idx = _indices(case, 5)
+    before = pools.clone()
+    with pytest.raises(ValueError, match="max_programs: expected an int"):
+        tt.run_triton(_plan(case, pools, dev_idx, host_idx), bad)
+    _assert_pools_equal(pools, before)  # nothing written
+
+
+def test_the_backend_passes_its_cap(monkeypatch) -> None:
+    seen = []
+    monkeypatch.setattr(tt, "run_triton", lambda plan, max_programs=None: seen.append(max_programs))
+    backend = tt.TritonBackend(max_programs=5)
+    backend._run(object())
+    assert seen == [5] and tt.TritonBackend().max_programs == tt.DEFAULT_MAX_PROGRAMS
 
 
 def test_item_longer_than_max_block() -> None:
@@ -706,7 +761,8 @@ def _compile_keys():
 
     def key(n: int, layer_begin: int, layer_count: int) -> str:
         scalars = [64, 64, *([61, 1 << 20, 1 << 14, 1 << 8, 0, 0, 1, 4096] * 2)]
-        out = binder(anchor, anchor, anchor, anchor, anchor, 1, 1, n, layer_begin, layer_count, *scalars,
+        out = binder(anchor, anchor, anchor, anchor, anchor, 1, 1, n, layer_begin, layer_count, 2 * layer_count,
+                     *scalars,
                      SRC_TABLE=False, DST_TABLE=True, MULTI_CHUNK=False, ELEM=language.int64, WIDTH=8, VEC=2,
                      ROWS=4, BLOCK=32, debug=False)  # fmt: skip
         return repr(out[1])  # (bound arguments, specialization, options)
@@ -745,4 +801,30 @@ def test_the_kernel_is_jitted_without_specializing_per_call_arguments(monkeypatc
     finally:
         tt._kernel.cache_clear()
     assert seen["do_not_specialize"] == tt.PER_CALL_ARGS
-    assert set(tt.PER_CALL_ARGS) == {"n", "layer_begin", "layer_count", "src_idx_stride", "dst_idx_stride"}
+    assert set(tt.PER_CALL_ARGS) == {"n", "layer_begin", "layer_count", "units", "src_idx_stride", "dst_idx_stride"}
+
+
+def test_the_kernel_compiles_for_sm_90_without_a_gpu():
+    """The interpreter runs what the compiler may refuse (the persistent loop's int64 bounds, the nested
+    block loop): the kernel compiles to sm_90 PTX here (Triton's own ptxas, no GPU), with both loops."""
+    try:
+        import triton
+        import triton.language as language
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import JITFunction
+    except Exception as exc:  # noqa: BLE001 - another Triton's internals
+        pytest.skip(f"this Triton's compiler API is not reachable ({type(exc).__name__}: {exc})")
+    tt._import_triton()
+    names = list(inspect.signature(tt._transfer_kernel).parameters)
+    consts = dict(SRC_TABLE=False, DST_TABLE=True, MULTI_CHUNK=True, ELEM=language.int64, WIDTH=8, VEC=2, ROWS=4,
+                  BLOCK=32)  # fmt: skip
+    pointers = {"anchor", "src", "dst", "src_idx", "dst_idx"}
+    sig = {nm: "*i64" if nm in pointers else "constexpr" if nm in consts else "i64" for nm in names}
+    jitted = JITFunction(tt._transfer_kernel, do_not_specialize=tt.PER_CALL_ARGS)  # compiled, not interpreted
+    src = ASTSource(jitted, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    except TypeError as exc:  # another Triton's ASTSource / compile signature
+        pytest.skip(f"this Triton compiles with other arguments ({exc})")
+    assert ".target sm_90" in ptx and ptx.count("bra") >= 2
