@@ -175,6 +175,25 @@ class KVBinding:
         self.transfer("h2d", device_indices, host_indices, layer_id=layer_id, backend=backend, stream=stream,
                       check_indices=check_indices)  # fmt: skip
 
+    def warm(self, backend: str | IOBackend = "auto", *, stream: Any = None) -> int:
+        """Compile (``triton``) or load (``kernel``: CUDA loads a kernel's module at its first launch)
+        now what this binding's transfers will launch, so the first backup, load-back or layer load of
+        a serving process does not stall on it. One launch per direction over every layer and over one
+        layer, each of one index pair outside both pools (int64, as every transfer's indices), which
+        those kernels skip: nothing is read or written. Backends with nothing to compile or load
+        (``direct``, ``batch``, ``staged``; ``auto`` where it picks them) launch nothing. Asynchronous
+        like a transfer, on ``stream``. Returns the launches made."""
+        if not isinstance(backend, (str, IOBackend)):
+            raise TypeError(f"backend: expected a backend name (str) or an IOBackend, got {type(backend).__name__}")
+        be = get_backend(backend)
+        outside = torch.tensor([-1], dtype=torch.int64)
+        launched = 0
+        for direction in ("d2h", "h2d"):
+            for layer_id in (None, 0):
+                plan = self.plan(direction, outside, outside, layer_id=layer_id, check_indices=False, stream=stream)
+                launched += bool(be.warm(plan))
+        return launched
+
     def batch_plan(
         self,
         direction: str,

@@ -229,6 +229,14 @@ MUTANTS = [
         ("tests/kernels/test_triton_transfer.py", "-k", "capped"),
     ),
     Mutant(
+        "warm-with-indices-inside-the-pools",
+        "KVBinding.warm launches with slot 0 instead of a slot outside both pools: warming overwrites KV (32 #4)",
+        "hicache_kernels/binding.py",
+        "        outside = torch.tensor([-1], dtype=torch.int64)\n",
+        "        outside = torch.tensor([0], dtype=torch.int64)\n",
+        ("tests/kernels/test_binding.py", "-k", "warm"),
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",

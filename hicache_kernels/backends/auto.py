@@ -187,6 +187,9 @@ class AutoBackend(IOBackend):
     def wants_host_indices(self, plan: TransferPlan) -> bool:
         return self.choose(plan).wants_host_indices(plan)
 
+    def warm(self, plan: TransferPlan) -> bool:
+        return self.choose(plan).warm(plan)
+
     def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
         name, why = self.decide(plan)
         self.kernel_bulk.last_design = None  # set by a launch only (an empty copy launches nothing)

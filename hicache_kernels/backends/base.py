@@ -161,6 +161,13 @@ class IOBackend:
         """Execute ``plan``: ``prepare(plan)()``."""
         self.prepare(plan)()
 
+    def warm(self, plan: TransferPlan) -> bool:
+        """Compile or load now what running ``plan``'s route launches, so its first real copy does not
+        (a JIT compile, a lazily loaded CUDA module): ``plan`` has index pairs outside both pools, which
+        the backends that warm skip (nothing is read or written). True when something was launched;
+        False for a backend with nothing to compile or load (this default), or that cannot run ``plan``."""
+        return False
+
     def prepare(self, plan: TransferPlan) -> Callable[[], None]:
         """Check ``plan`` and do now the host-side work that does not depend on when the copy is issued
         (for the copy engines: planning fragments and building their pointer arrays); return a callable

@@ -144,7 +144,15 @@ class KernelBackend(IOBackend):
         ok, reason = cuda_runtime_status()
         return pinned_reason(plan) if ok else reason
 
-    def _prepare(self, plan: TransferPlan) -> Callable[[], None]:
+    def warm(self, plan: TransferPlan) -> bool:
+        """Load the kernel ``plan``'s route launches (CUDA loads each kernel's module at its first launch
+        under lazy loading, the default): one launch whose out-of-range pairs are skipped, not counted."""
+        if self.unavailable(plan) is not None:
+            return False
+        self._prepare(plan, count=False)()
+        return True
+
+    def _prepare(self, plan: TransferPlan, count: bool = True) -> Callable[[], None]:
         n = plan.src_indices.numel()
         if n == 0:
             return nothing
@@ -154,7 +162,7 @@ class KernelBackend(IOBackend):
         g, handle, stream = prepare_gpu_launch(plan)
         counter: _SkipCounter | None = None
         counted_on: Any = None  # the stream a counting launch records its event on (None under capture)
-        if self.count_skipped:
+        if self.count_skipped and count:
             with on_device(plan):
                 counter = self._skip_counter(device)
                 if stream is None:

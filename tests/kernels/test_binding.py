@@ -523,3 +523,82 @@ def test_list_identity_check_with_and_without_the_extension(monkeypatch, packed)
     assert not same([layers[1], layers[0], *layers[2:]])
     assert not same([torch.randn(4, 2), *layers[1:]])
     assert not same({0: layers[0]}) and not same(iter(layers))
+
+
+# ---------------------------------------------------------------------------------------------- warm
+@pytest.mark.parametrize(("layout", "mla"), [("page_first", False), ("page_head", False), ("layer_first", True)])
+def test_warm_launches_every_route_once_and_writes_nothing(monkeypatch, layout, mla):
+    """Triton: one launch per direction, over every layer and over one, each of one pair outside both
+    pools, in the kernel itself (masked there): every pool byte stays as it was."""
+    from hicache_kernels.backends import triton as tt
+
+    pools = make_pools(layout=layout, mla=mla, dtype=torch.float16, page_size=4, device_slots=24, host_pages=3)
+    poison_(pools.host)  # both sides hold bytes a stray write would change
+    before = pools.clone()
+    seen = []
+    run = tt.run_triton
+
+    def recording(plan, max_programs=None):
+        r = plan.route
+        seen.append((r.direction, r.layer_begin, r.layer_count, plan.src_indices.tolist(),
+                     plan.dst_indices.tolist(), plan.src_indices.dtype))  # fmt: skip
+        run(plan, max_programs)
+
+    monkeypatch.setattr(tt, "run_triton", recording)
+    assert bind(pools).warm("triton") == 4
+    L = 3
+    assert seen == [(d, 0, n, [-1], [-1], torch.int64) for d in ("d2h", "h2d") for n in (L, 1)]
+    assert pools.equal(before)
+
+
+@pytest.mark.parametrize("backend", ["direct", "batch", "staged", "auto", "kernel"])
+def test_warm_launches_nothing_where_there_is_nothing_to_compile(backend):
+    """direct / batch / staged compile nothing; auto picks direct for CPU pools; kernel cannot run here
+    (no CUDA): no launch, nothing written."""
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=4, device_slots=24,
+                       host_pages=3)  # fmt: skip
+    before = pools.clone()
+    assert bind(pools).warm(backend) == 0
+    assert pools.equal(before)
+
+
+def test_warm_arguments_checked():
+    b = bind(make_pools(layout="page_first", mla=False, dtype=torch.float16, page_size=4, device_slots=24,
+                        host_pages=3))  # fmt: skip
+    with pytest.raises(TypeError, match="backend: expected a backend name"):
+        b.warm(3)
+    with pytest.raises(ValueError, match="unknown|backend"):
+        b.warm("no-such-backend")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["kernel", "triton"])
+def test_gpu_warm_writes_nothing_counts_nothing_and_leaves_nothing_to_compile(backend):
+    """On a GPU: warm launches every route (nothing written; the kernel backend's skip counter untouched);
+    afterwards a Triton load of a batch size not seen before compiles no new variant."""
+    from hicache_kernels.backends import triton as tt
+
+    pools = make_pools(layout="page_first", mla=False, dtype=torch.bfloat16, page_size=4, device="cuda", pin=True,
+                       device_slots=64, host_pages=8)  # fmt: skip
+    b = bind(pools)
+    be = get_backend("kernel", count_skipped=True) if backend == "kernel" else get_backend("triton")
+    before = pools.clone()
+    assert b.warm(be) == 4
+    torch.cuda.synchronize()
+    assert pools.equal(before)
+    if backend == "kernel":
+        assert be.skipped() == 0
+        return
+    kernel = tt._kernel(False)
+    caches = getattr(kernel, "device_caches", None)  # device -> (compiled kernels, ...) in Triton 3.x
+
+    def count():
+        return None if caches is None else sum(len(c[0]) for c in caches.values())
+
+    compiled = count()
+    assert compiled != 0  # warm compiled the routes
+    d_idx, h_idx = make_indices("random", 64, 32, 4, count=7, seed=9)
+    b.load(d_idx.cuda(), h_idx.cuda(), backend=be)
+    b.load(d_idx.cuda(), h_idx.cuda(), layer_id=2, backend=be)
+    torch.cuda.synchronize()
+    assert count() == compiled

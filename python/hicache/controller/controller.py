@@ -201,6 +201,8 @@ class HiCacheController:
         # Validate the pools once; every copy then checks only its indices.
         self.binding = KVBinding(device_pool.device_k, device_pool.device_v, host_pool.buffer,
                                  layout=host_pool.layout, page_size=host_pool.page_size)  # fmt: skip
+        if on_gpu:  # compiled / loaded now, not by the first copies mid-serving (nothing is copied)
+            self.binding.warm(self.backend)
         self.write_policy = write_policy
         self.tp_group = tp_group
         self.threaded = (not on_gpu) if threaded is None else bool(threaded)
