@@ -237,6 +237,14 @@ MUTANTS = [
         ("tests/kernels/test_binding.py", "-k", "warm"),
     ),
     Mutant(
+        "load-stream-at-default-priority",
+        "the controller's load stream has the default priority: layer loads queue behind backups and compute (32 #5)",
+        "python/hicache/controller/controller.py",
+        '        self._load_stream = self.device.new_stream("load", high_priority=True)',
+        '        self._load_stream = self.device.new_stream("load")',
+        ("tests/streams/test_devices.py",),
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",

@@ -225,7 +225,7 @@ class HiCacheController:
         self._outstanding = self.completions.outstanding
         self._closed = False
         self._write_stream = self.device.new_stream("write")
-        self._load_stream = self.device.new_stream("load")
+        self._load_stream = self.device.new_stream("load", high_priority=True)  # a forward waits for its layers
         self._threads: list[threading.Thread] = []
         self._finalizer: weakref.finalize | None = None
         if self.threaded:

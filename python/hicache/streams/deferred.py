@@ -163,6 +163,7 @@ class _Stream:
         self.queue: deque[_Item] = deque()
         self.done = 0
         self.errors: list[tuple[int, BaseException]] = []  # (seq, error) of launches that raised when run
+        self.high_priority = False  # as asked of new_stream; the model does not schedule by it
 
     def wait_event(self, event: _Event) -> None:
         self.model._wait(self, event)
@@ -227,9 +228,10 @@ class DeferredDevice:
         self.ran_late = 0  # launches that ran after a later call into the model (not at their own launch)
 
     # ------------------------------------------------------------------ the StreamDevice interface
-    def new_stream(self, name: str) -> _Stream:
+    def new_stream(self, name: str, high_priority: bool = False) -> _Stream:
         with self._lock:
             s = _Stream(self, name)
+            s.high_priority = high_priority
             self._streams.append(s)
             return s
 

@@ -64,6 +64,11 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+HIGHEST_PRIORITY = -1000
+"""A CUDA stream priority below every device's range (Hopper: -5 to 0; lower is higher): torch clamps it
+to the highest the device has."""
+
+
 class Stream(Protocol):
     """An ordered queue of work on a device."""
 
@@ -86,7 +91,10 @@ class StreamDevice(Protocol):
     # building them (and a launch's description) otherwise: they cost host time on every copy.
     tracks_regions: bool
 
-    def new_stream(self, name: str) -> Any: ...
+    def new_stream(self, name: str, high_priority: bool = False) -> Any:
+        """A new stream; ``high_priority``: its work is scheduled ahead of the device's other streams
+        (the layer loads a forward waits for, not the backups)."""
+        ...
 
     def current_stream(self) -> Any: ...
 
@@ -119,7 +127,9 @@ class CudaDevice:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
 
-    def new_stream(self, name: str) -> torch.cuda.Stream:
+    def new_stream(self, name: str, high_priority: bool = False) -> torch.cuda.Stream:
+        if high_priority:  # below the device's range: torch maps it to the highest priority there is
+            return torch.cuda.Stream(device=self.device, priority=HIGHEST_PRIORITY)
         return torch.cuda.Stream(device=self.device)
 
     def current_stream(self) -> torch.cuda.Stream:
@@ -183,7 +193,7 @@ class EagerDevice:
     has_events = False
     tracks_regions = False
 
-    def new_stream(self, name: str) -> _EagerStream:
+    def new_stream(self, name: str, high_priority: bool = False) -> _EagerStream:
         return _EagerStream(name)
 
     def current_stream(self) -> _EagerStream:
