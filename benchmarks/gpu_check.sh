@@ -7,7 +7,8 @@
 #           -> the data-path designs side by side (register kernel, bulk-staging kernel, staged copy
 #              engines, direct, batch at page 16, SM budgets 1-8: bench_designs.json), if time is left
 #   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> compute-sanitizer
-#           memcheck on the smoke set -> pcie --quick -> bench --quick (interference, overlap, auto)
+#           memcheck on the smoke set -> pcie --quick -> host pool set-up (16 GiB pinned: populate and
+#           cudaHostRegister seconds by thread count) -> bench --quick (interference, overlap, auto)
 #           -> the serving benchmark on the GPU (hicache.bench.serving: TTFT per mode, 8B-like layers):
 #              multi-turn, then long-context QA (several documents whose KV is 4x the device pool)
 #
@@ -22,7 +23,7 @@
 # to OUT_DIR as they are made, and summary.txt is rewritten after every step, so a run cut short still
 # leaves what finished. Files: gpu_check.log (every step's output), summary.txt; stage 1: info.json,
 # bench_core.json, host_overhead.json, bench_designs.json; stage 2: bench_quick.json, pcie.json,
-# serving.json, serving_longqa.json. The device tool brings back 8 files a call: run the stages in separate calls. The summary ends with the targets
+# host_setup.json, serving.json, serving_longqa.json. The device tool brings back 8 files a call: run the stages in separate calls. The summary ends with the targets
 # read from each bench JSON (host overhead: targets 7-11, shown, not a failed step).
 #
 # --dry-run: on a CPU machine, run every step's command with CPU stand-ins (sm_90 assumed; pytest steps
@@ -54,7 +55,7 @@ OUT=${1:?usage: bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--bu
 case $STAGE in 1 | 2 | all) ;; *) echo "gpu_check.sh: --stage must be 1, 2 or all, got $STAGE" >&2; exit 2 ;; esac
 case $BUDGET in '' | *[!0-9]*) echo "gpu_check.sh: --budget must be whole seconds, got $BUDGET" >&2; exit 2 ;; esac
 ALL_STEPS=",build,info,gpu-smoke,bench-core,targets,host-overhead,bench-designs,gpu-tests,sanitizer,pcie-quick,\
-bench-quick,serving-args,bench-serving,serving-longqa,"
+host-setup,bench-quick,serving-args,bench-serving,serving-longqa,"
 for s in ${ONLY//,/ }; do
   [[ $ALL_STEPS == *",$s,"* ]] || { echo "gpu_check.sh: --only: no step named $s (steps:${ALL_STEPS//,/ })" >&2; exit 2; }
 done
@@ -158,6 +159,8 @@ if [ "$STAGE" != 1 ]; then
     STEPS+=("$(printf '%-16s %-22s' sanitizer 'SKIPPED (no compute-sanitizer)')")
   fi
   step pcie-quick 120 $PY -m hicache_kernels.pcie --quick --json "$OUT/pcie.json"
+  if [ $DRY = 1 ]; then SETUP=(--gib 0.0625 --no-pin); else SETUP=(--gib 16 --pin); fi
+  step host-setup 60 $PY -m hicache.bench.host_setup "${SETUP[@]}" --threads 1 8 --repeats 1 --json "$OUT/host_setup.json"
   step bench-quick 240 $PY -m hicache_kernels.bench --quick --refcheck --json "$OUT/bench_quick.json"
   # 8B-like layers (4 of them), bf16, the kernel io-backend; working set 4x the device pool; 32
   # closed-loop clients, 4 requests in flight: a conversation's history goes cold between its turns

@@ -15,7 +15,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STAGE1 = ("build", "info", "gpu-smoke", "bench-core", "targets", "host-overhead", "bench-designs")
-STAGE2 = ("gpu-tests", "sanitizer", "pcie-quick", "bench-quick", "serving-args", "bench-serving", "serving-longqa")
+STAGE2 = ("gpu-tests", "sanitizer", "pcie-quick", "host-setup", "bench-quick", "serving-args", "bench-serving",
+          "serving-longqa")  # fmt: skip
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the real script runs on a GPU machine")
 
 
@@ -46,6 +47,7 @@ def test_dry_run_starts_every_step(tmp_path):
     assert json.loads((out / "info.json").read_text())["build"]["archs"] == ["90"]
     assert json.loads((out / "bench_core.json").read_text())["mode"] == "cpu-functional-check"
     assert json.loads((out / "pcie.json").read_text())["mode"] == "no-gpu"
+    assert json.loads((out / "host_setup.json").read_text())["bench"] == "hicache.bench.host_setup"
     assert "kernel / copy-engine ceiling" in summary  # the targets table (all n/a without points)
     # The GPU serving runs' own arguments were parsed (the CLI stops at the missing GPU: once for the
     # multi-turn run, once for long-context QA), and the CPU stand-ins' serving targets are read back
