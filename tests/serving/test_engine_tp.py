@@ -46,6 +46,7 @@ def rank_main(rank: int, init_file: str, out) -> None:
         # once, whose prefixes the first wave pushed to the host: several load-backs in one step.
         first, second = reqs[:8], [dataclasses.replace(q, arrival=0.0) for q in reqs[8:]]
         loads: list[int] = []
+        flushes: list[int] = []
         with make_cache(pool, threaded=False, tp_group=dist.group.WORLD) as cache:
             real_load_back = cache.load_back
 
@@ -54,10 +55,18 @@ def rank_main(rank: int, init_file: str, out) -> None:
                 return real_load_back(*args, **kwargs)
 
             cache.load_back = load_back
+            real_flush = cache.flush
+
+            def flush(*args, **kwargs):  # the engine's stall path: nothing runs and the head does not fit
+                flushes.append(len(clock.forwards))
+                return real_flush(*args, **kwargs)
+
+            cache.flush = flush
             engine = Engine(model, pool, cache)
             results = engine.serve(first, max_running=3, clock=clock, idle=clock.idle)
             results += engine.serve(second, max_running=8, clock=clock, idle=clock.idle)
             dist.all_reduce = real_reduce
+            cache.flush = real_flush
             cache.flush()
             cache.verify()
             metrics = cache.metrics
@@ -68,7 +77,9 @@ def rank_main(rank: int, init_file: str, out) -> None:
             host_hits=sum(r.host_hit for r in results),
             load_backs=load_backs,
             steps=len(clock.forwards),
-            most_collectives_a_step=max(Counter(calls).values()),
+            # A stall's flush takes the landed acks once more (one agreement) before the step it leads to.
+            most_collectives_a_step=max(n - Counter(flushes)[step] for step, n in Counter(calls).items()),
+            stalls=len(flushes),
             most_load_backs_a_step=max(Counter(loads).values()),
             collectives=len(calls),
         )
