@@ -35,6 +35,7 @@ import torch
 from . import _custom_ops
 from ._validate import DevicePool, int_arg
 from .backends import IOBackend, get_backend
+from .backends.base import device_indices as indices_on_device
 from .backends.base import plan_stream
 from .bound_pools import BoundPools, bound_pools, cached_bindings, check_direction, pool_tensors
 from .plan import TransferPlan
@@ -239,9 +240,8 @@ class KVBinding:
         src, dst = batch.src_indices, batch.dst_indices
         if get_backend(backend).wants_host_indices(batch):
             batch.src_indices, batch.dst_indices = src.cpu(), dst.cpu()
-        elif route.on_cuda:
-            with torch.cuda.stream(batch.stream):  # ordered before every launch on that stream
-                batch.src_indices, batch.dst_indices = (t.to(route.device, non_blocking=True) for t in (src, dst))
+        elif route.on_cuda:  # on that stream: ordered before every launch on it (host ones via the upload ring)
+            batch.src_indices, batch.dst_indices = indices_on_device(batch, route.device, batch.stream)
         return batch
 
     def layer_plan(self, plan: TransferPlan, layer_id: int) -> TransferPlan:

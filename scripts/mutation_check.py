@@ -245,6 +245,15 @@ MUTANTS = [
         ("tests/streams/test_devices.py",),
     ),
     Mutant(
+        "upload-buffer-reused-under-its-copy",
+        "the upload ring writes a pinned buffer again without waiting for its previous copy: indices "
+        "still being read by the DMA are overwritten (32 #6)",
+        "hicache_kernels/uploads.py",
+        "                slot.event.synchronize()  # its previous upload has been read by the DMA\n",
+        "                pass\n",
+        ("tests/kernels/test_uploads.py",),
+    ),
+    Mutant(
         "copy-timed-from-before-its-wait",
         "a copy's start event is recorded before its stream waits for the forward: copy times include the "
         "queue behind compute (32 #6)",

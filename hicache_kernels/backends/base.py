@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import launch
+from .. import launch, uploads
 from .._ext import BackendUnavailableError
 from ..plan import TransferPlan
 
@@ -125,11 +125,19 @@ def device_indices(plan: TransferPlan, device: torch.device, stream: Any) -> tup
     """The plan's index tensors on ``device``.
 
     Host indices are copied on the launch stream itself (``stream``, None for the current one):
-    ordered before the kernel (a copy from pageable memory may still be in flight when it returns),
-    and allocated for that stream. Indices already on ``device`` are returned as they are.
+    ordered before the kernel, and allocated for that stream. They go through the device's pinned
+    upload ring (:mod:`hicache_kernels.uploads`: one copy for both, queued without waiting for the
+    stream, which a copy from pageable memory would do). Indices already on ``device`` are returned
+    as they are.
     """
     s_idx, d_idx = plan.src_indices, plan.dst_indices
     if s_idx.device == device and d_idx.device == device:
+        return s_idx, d_idx
+    if s_idx.device.type == "cpu" and d_idx.device.type == "cpu":
+        ring = uploads.upload_ring(
+            device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        )
+        s_idx, d_idx = ring.upload((s_idx, d_idx), stream, capturing=launch.capturing())
         return s_idx, d_idx
     with torch.cuda.stream(stream):
         return (s_idx if s_idx.device == device else s_idx.to(device, non_blocking=True),
