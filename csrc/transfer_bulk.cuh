@@ -8,14 +8,16 @@
 // b / grid. A CTA owns a ring of kBulkStages stages: round r uses slot r % kBulkStages and its
 // mbarriers' phase parity (r / kBulkStages) & 1.
 //
-// Per CTA, lane 0 of warp 0 (the loader) waits until the slot is free (its "empty" mbarrier),
-// announces the bytes it will load (mbarrier.expect_tx) and issues one global->shared
-// cp.async.bulk per piece, which completes on the slot's "full" mbarrier; lane 0 of warp 1 (the
-// storer) waits on "full", issues one shared->global cp.async.bulk per piece as one bulk group, and
-// frees the slot of the previous round once that round's group has finished reading shared memory
-// (cp.async.bulk.wait_group.read 1). Out-of-range pairs are skipped by both (same rule) and
-// counted once per unit by the loader. Every address and size is a multiple of 16 (the launcher
-// refuses anything else).
+// Per CTA, warp 0 (the loader) waits until the slot is free (its "empty" mbarrier); each lane takes
+// the batch's pieces lane, lane + 32, ... (their addresses computed in parallel), announces its
+// bytes (mbarrier.expect_tx, before its own copy) and issues one global->shared cp.async.bulk per
+// piece, which completes on the slot's "full" mbarrier; after a __syncwarp lane 0 makes the phase's
+// one arrival. Warp 1 (the storer) waits on "full"; each lane issues one shared->global
+// cp.async.bulk per piece of its share as its own bulk group (groups are per thread), waits until
+// its older groups have finished reading shared memory (cp.async.bulk.wait_group.read 1), and after
+// a __syncwarp lane 0 frees the slot of the previous round. Out-of-range pairs are skipped by both
+// (same rule) and counted once per unit by the loader lane that met them. Every address and size is
+// a multiple of 16 (the launcher refuses anything else).
 #pragma once
 
 #include <cstdint>
@@ -29,7 +31,7 @@ namespace hicache {
 constexpr int kBulkStages = 4;         // ring depth per CTA
 constexpr int kBulkStageBytes = 8192;  // bytes per stage: 32 KiB of static shared memory per CTA,
                                        // so 6 CTAs fit the 227 KiB of an H100/H200 SM
-constexpr int kBulkThreads = 64;       // warp 0 loads, warp 1 stores (lane 0 of each issues)
+constexpr int kBulkThreads = 64;       // warp 0 loads, warp 1 stores (every lane issues)
 constexpr int kBulkAlign = 16;         // cp.async.bulk: sizes and addresses multiples of 16
 
 struct BulkParams {
@@ -182,11 +184,11 @@ __global__ void __launch_bounds__(kBulkThreads)
     mbar_fence_init();
   }
   __syncthreads();
-  if ((threadIdx.x & 31) != 0) {
-    return;
-  }
+  // Warp 0 loads, warp 1 stores; the lanes of each take a batch's pieces k = lane, lane + 32, ...
+  // (a stage of 256-byte pieces holds 32: one per lane), so addresses are computed 32 at a time.
+  const int lane = threadIdx.x & 31;
+  const bool loader = threadIdx.x < 32;
   const uint32_t ring_base = smem_addr(ring);
-  const bool loader = threadIdx.x == 0;
   int64_t round = 0;
   for (int64_t batch = blockIdx.x; batch < p.num_batches; batch += gridDim.x, ++round) {
     const int slot = bulk_slot(round);
@@ -199,22 +201,25 @@ __global__ void __launch_bounds__(kBulkThreads)
       if (round >= kBulkStages) {
         mbar_wait(smem_addr(&empty[slot]), parity ^ 1);
       }
-      for (int k = 0; k < count; ++k) {
+      for (int k = lane; k < count; k += 32) {
         int64_t src = 0;
         int64_t dst = 0;
         uint32_t bytes = 0;
         bool counted = false;
         if (locate_piece<SrcSide, DstSide>(p, first + k, src, dst, bytes, counted)) {
-          mbar_expect_tx(full_bar, bytes);
+          mbar_expect_tx(full_bar, bytes);  // before its own load: the count never completes early
           bulk_load(stage + k * p.piece_stride, src, bytes, full_bar);
         } else if (counted && p.oob_count != nullptr) {
           atomicAdd(p.oob_count, 1);
         }
       }
-      mbar_arrive(full_bar);
+      __syncwarp();  // every lane's expect_tx is in before the stage's one arrival
+      if (lane == 0) {
+        mbar_arrive(full_bar);
+      }
     } else {
       mbar_wait(full_bar, parity);
-      for (int k = 0; k < count; ++k) {
+      for (int k = lane; k < count; k += 32) {
         int64_t src = 0;
         int64_t dst = 0;
         uint32_t bytes = 0;
@@ -223,9 +228,12 @@ __global__ void __launch_bounds__(kBulkThreads)
           bulk_store(dst, stage + k * p.piece_stride, bytes);
         }
       }
+      // Bulk groups are per thread: each lane commits its stores and waits for its older groups to
+      // have read their stage; then the warp's one arrival frees the previous round's slot.
       bulk_commit();
       bulk_wait_read_all_but_newest();
-      if (round >= 1) {
+      __syncwarp();
+      if (round >= 1 && lane == 0) {
         mbar_arrive(smem_addr(&empty[bulk_slot(round - 1)]));
       }
     }
