@@ -158,11 +158,13 @@ py::dict bulk_schedule(const py::sequence& src_desc, bool src_table, const py::s
   std::vector<hicache::BulkCopy> copies;
   int64_t oob = 0;
   int64_t blocks = 0;
+  int64_t stages = 0;
+  int64_t stage_bytes = 0;
   check_args(
       hicache::bulk_schedule(src, src_table, dst, dst_table, as_ptr<const int64_t>(src_idx_ptr),
                              as_ptr<const int64_t>(dst_idx_ptr), n, layer_begin, layer_count,
                              num_kv, num_chunks, chunk_bytes, align_bytes, num_blocks,
-                             warps_per_block, &copies, &oob, &blocks),
+                             warps_per_block, &copies, &oob, &blocks, &stages, &stage_bytes),
       "bulk_schedule");
   py::list out;
   for (const hicache::BulkCopy& c : copies) {
@@ -173,8 +175,10 @@ py::dict bulk_schedule(const py::sequence& src_desc, bool src_table, const py::s
   d["copies"] = out;
   d["oob_count"] = oob;
   d["blocks"] = blocks;
-  d["stages"] = hicache::bulk_ring_stages();
-  d["stage_bytes"] = hicache::bulk_stage_bytes();
+  d["stages"] = stages;
+  d["stage_bytes"] = stage_bytes;
+  d["max_stages"] = hicache::bulk_ring_stages();
+  d["max_stage_bytes"] = hicache::bulk_stage_bytes();
   return d;
 }
 

@@ -94,20 +94,22 @@ struct BulkCopy {
   int64_t bytes;
 };
 
-// The ring of launch_transfer_bulk: stages per CTA and bytes per stage.
+// The largest ring of launch_transfer_bulk: stages per CTA and bytes per stage (a launch sizes its
+// ring to its work: bulk_schedule reports it).
 int bulk_ring_stages();
 int bulk_stage_bytes();
 
 // Host emulation of launch_transfer_bulk with the kernel's own schedule and address code: the same
 // arguments and checks (src_idx / dst_idx and table sides' tables are HOST memory here), appending
 // every copy the kernel would issue, in each CTA's issue order, to *copies; *oob_count += units
-// skipped; *blocks = the grid the launch would use.
+// skipped; *blocks = the grid the launch would use, *stages and *stage_bytes = its ring (dynamic
+// shared memory: stages x stage_bytes per CTA).
 cudaError_t bulk_schedule(const SideDesc& src_desc, bool src_table, const SideDesc& dst_desc,
                           bool dst_table, const int64_t* src_idx, const int64_t* dst_idx, int64_t n,
                           int layer_begin, int layer_count, int num_kv, int num_chunks,
                           int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
                           int warps_per_block, std::vector<BulkCopy>* copies, int64_t* oob_count,
-                          int64_t* blocks);
+                          int64_t* blocks, int64_t* stages, int64_t* stage_bytes);
 
 namespace detail {
 // The argument checks launch_transfer and its variants share, reported as errors of `function`.

@@ -61,7 +61,7 @@ void emulate_block(const BulkParams& p, int grid, int block, std::vector<BulkCop
                    int64_t* oob_count) {
   int64_t round = 0;
   for (int64_t batch = block; batch < p.num_batches; batch += grid, ++round) {
-    const int slot = bulk_slot(round);
+    const int slot = bulk_slot(round, p.stages);
     int64_t first = 0;
     const int64_t count = bulk_batch_pieces(p, batch, &first);
     for (int k = 0; k < count; ++k) {
@@ -71,8 +71,8 @@ void emulate_block(const BulkParams& p, int grid, int block, std::vector<BulkCop
       bool counted = false;
       if (locate_piece<SrcSide, DstSide>(p, first + k, src, dst, bytes, counted)) {
         copies->push_back(BulkCopy{
-            block, round, slot, bulk_parity(round),
-            static_cast<int64_t>(slot) * kBulkStageBytes + static_cast<int64_t>(k) * p.piece_stride,
+            block, round, slot, bulk_parity(round, p.stages),
+            static_cast<int64_t>(slot) * p.stage_bytes + static_cast<int64_t>(k) * p.piece_stride,
             src, dst, bytes});
       } else if (counted) {
         ++*oob_count;
@@ -118,8 +118,10 @@ cudaError_t launch_transfer_bulk(const SideDesc& src_desc, bool src_table, const
   if (major < 9) {
     return cudaErrorNotSupported;
   }
+  const int grid = bulk_grid(p, num_blocks);
+  bulk_ring(p, grid);
   HICACHE_SIDE_SWITCH(src_table, SrcSide, {HICACHE_SIDE_SWITCH(dst_table, DstSide, {
-                        return launch_transfer_bulk_kernel<SrcSide, DstSide>(p, num_blocks, stream);
+                        return launch_transfer_bulk_kernel<SrcSide, DstSide>(p, grid, stream);
                       })})
 }
 
@@ -128,7 +130,7 @@ cudaError_t bulk_schedule(const SideDesc& src_desc, bool src_table, const SideDe
                           int layer_begin, int layer_count, int num_kv, int num_chunks,
                           int64_t chunk_bytes, int64_t align_bytes, int num_blocks,
                           int warps_per_block, std::vector<BulkCopy>* copies, int64_t* oob_count,
-                          int64_t* blocks) {
+                          int64_t* blocks, int64_t* stages, int64_t* stage_bytes) {
   clear_argument_error();
   BulkParams p;
   HICACHE_RETURN_IF_ERROR(prepare(__func__, src_desc, src_table, dst_desc, dst_table, src_idx,
@@ -136,11 +138,16 @@ cudaError_t bulk_schedule(const SideDesc& src_desc, bool src_table, const SideDe
                                   chunk_bytes, align_bytes, num_blocks, warps_per_block, nullptr,
                                   &p));
   *blocks = 0;
+  *stages = 0;
+  *stage_bytes = 0;
   if (n == 0) {
     return cudaSuccess;
   }
   const int grid = bulk_grid(p, num_blocks);
+  bulk_ring(p, grid);
   *blocks = grid;
+  *stages = p.stages;
+  *stage_bytes = p.stage_bytes;
   for (int b = 0; b < grid; ++b) {
     HICACHE_SIDE_SWITCH(src_table, SrcSide, {HICACHE_SIDE_SWITCH(dst_table, DstSide, {
                           emulate_block<SrcSide, DstSide>(p, grid, b, copies, oob_count);

@@ -5,8 +5,11 @@
 // kBulkStageBytes (a "piece": one contiguous run of a chunk). Pieces are packed into batches of
 // pieces_per_stage (a stage holds floor(kBulkStageBytes / piece_stride) pieces, piece_stride =
 // min(chunk_bytes, kBulkStageBytes)); batch b belongs to CTA b % grid, as that CTA's round
-// b / grid. A CTA owns a ring of kBulkStages stages: round r uses slot r % kBulkStages and its
-// mbarriers' phase parity (r / kBulkStages) & 1.
+// b / grid. A CTA owns a ring of `stages` stages of `stage_bytes` each, in dynamic shared memory
+// sized per launch (bulk_ring): at most kBulkStages stages (fewer when a CTA has fewer rounds) of
+// at most kBulkStageBytes (only the bytes a batch's pieces use, rounded up to 128), so a launch of
+// small items or few rounds asks for less than the 32 KiB maximum and fits beside more of another
+// kernel's CTAs. Round r uses slot r % stages and its mbarriers' phase parity (r / stages) & 1.
 //
 // Per CTA, warp 0 (the loader) waits until the slot is free (its "empty" mbarrier); each lane takes
 // the batch's pieces lane, lane + 32, ... (their addresses computed in parallel), announces its
@@ -28,9 +31,10 @@
 
 namespace hicache {
 
-constexpr int kBulkStages = 4;         // ring depth per CTA
-constexpr int kBulkStageBytes = 8192;  // bytes per stage: 32 KiB of static shared memory per CTA,
-                                       // so 6 CTAs fit the 227 KiB of an H100/H200 SM
+constexpr int kBulkStages = 4;         // most ring stages per CTA
+constexpr int kBulkStageBytes = 8192;  // most bytes per stage: at most 32 KiB of dynamic shared
+                                       // memory per CTA (under the 48 KiB needing no opt-in)
+constexpr int kBulkStageAlign = 128;   // a stage's bytes are rounded up to this
 constexpr int kBulkThreads = 64;       // warp 0 loads, warp 1 stores (every lane issues)
 constexpr int kBulkAlign = 16;         // cp.async.bulk: sizes and addresses multiples of 16
 
@@ -50,6 +54,8 @@ struct BulkParams {
   int pieces_per_stage;    // kBulkStageBytes / piece_stride
   int64_t total_pieces;    // total_units * parts_per_unit
   int64_t num_batches;     // ceil(total_pieces / pieces_per_stage)
+  int stages;              // ring stages per CTA (bulk_ring)
+  int stage_bytes;         // ring bytes per stage (bulk_ring), a multiple of kBulkStageAlign
   int* oob_count;          // device counter of skipped units, or nullptr
 };
 
@@ -69,12 +75,28 @@ inline int bulk_grid(const BulkParams& p, int num_blocks) {
   return static_cast<int>(p.num_batches < num_blocks ? p.num_batches : num_blocks);
 }
 
-// Round r of a CTA: its ring slot and the phase parity its mbarriers complete with.
-__host__ __device__ __forceinline__ int bulk_slot(int64_t round) {
-  return static_cast<int>(round % kBulkStages);
+// Size the ring of a launch on `grid` CTAs: as many stages as a CTA has rounds (at most
+// kBulkStages) and the bytes a batch's pieces take, rounded up to kBulkStageAlign.
+inline void bulk_ring(BulkParams& p, int grid) {
+  const int64_t rounds = (p.num_batches + grid - 1) / grid;
+  p.stages = static_cast<int>(rounds < kBulkStages ? rounds : kBulkStages);
+  const int64_t pieces = p.total_pieces < p.pieces_per_stage ? p.total_pieces : p.pieces_per_stage;
+  const int64_t used = pieces * p.piece_stride;
+  p.stage_bytes =
+      static_cast<int>((used + kBulkStageAlign - 1) / kBulkStageAlign * kBulkStageAlign);
 }
-__host__ __device__ __forceinline__ uint32_t bulk_parity(int64_t round) {
-  return static_cast<uint32_t>((round / kBulkStages) & 1);
+
+// Dynamic shared memory of a launch: its ring.
+inline size_t bulk_shared_bytes(const BulkParams& p) {
+  return static_cast<size_t>(p.stages) * static_cast<size_t>(p.stage_bytes);
+}
+
+// Round r of a CTA: its ring slot and the phase parity its mbarriers complete with.
+__host__ __device__ __forceinline__ int bulk_slot(int64_t round, int stages) {
+  return static_cast<int>(round % stages);
+}
+__host__ __device__ __forceinline__ uint32_t bulk_parity(int64_t round, int stages) {
+  return static_cast<uint32_t>((round / stages) & 1);
 }
 
 // The first piece of batch `batch` and how many pieces it holds (the last batch may be short).
@@ -172,12 +194,12 @@ template <class SrcSide, class DstSide>
 __global__ void __launch_bounds__(kBulkThreads)
     transfer_bulk_kernel(const __grid_constant__ BulkParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ alignas(128) char ring[kBulkStages * kBulkStageBytes];
+  extern __shared__ __align__(128) char ring[];  // p.stages x p.stage_bytes (bulk_ring)
   __shared__ alignas(8) uint64_t full[kBulkStages];
   __shared__ alignas(8) uint64_t empty[kBulkStages];
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < kBulkStages; ++s) {
+    for (int s = 0; s < kBulkStages; ++s) {  // all of them: unused ones cost 16 bytes
       mbar_init(smem_addr(&full[s]), 1);
       mbar_init(smem_addr(&empty[s]), 1);
     }
@@ -191,14 +213,14 @@ __global__ void __launch_bounds__(kBulkThreads)
   const uint32_t ring_base = smem_addr(ring);
   int64_t round = 0;
   for (int64_t batch = blockIdx.x; batch < p.num_batches; batch += gridDim.x, ++round) {
-    const int slot = bulk_slot(round);
-    const uint32_t parity = bulk_parity(round);
+    const int slot = bulk_slot(round, p.stages);
+    const uint32_t parity = bulk_parity(round, p.stages);
     const uint32_t full_bar = smem_addr(&full[slot]);
-    const uint32_t stage = ring_base + slot * kBulkStageBytes;
+    const uint32_t stage = ring_base + slot * p.stage_bytes;
     int64_t first = 0;
     const int64_t count = bulk_batch_pieces(p, batch, &first);
     if (loader) {
-      if (round >= kBulkStages) {
+      if (round >= p.stages) {
         mbar_wait(smem_addr(&empty[slot]), parity ^ 1);
       }
       for (int k = lane; k < count; k += 32) {
@@ -234,7 +256,7 @@ __global__ void __launch_bounds__(kBulkThreads)
       bulk_wait_read_all_but_newest();
       __syncwarp();
       if (round >= 1 && lane == 0) {
-        mbar_arrive(smem_addr(&empty[bulk_slot(round - 1)]));
+        mbar_arrive(smem_addr(&empty[bulk_slot(round - 1, p.stages)]));
       }
     }
   }
@@ -250,10 +272,10 @@ __global__ void __launch_bounds__(kBulkThreads)
 #endif
 }
 
-// The one launcher: `p` is complete (bulk_plan applied).
+// The one launcher: `p` is complete (bulk_plan and bulk_ring for `grid` applied).
 template <class SrcSide, class DstSide>
-cudaError_t launch_transfer_bulk_kernel(const BulkParams& p, int num_blocks, cudaStream_t stream) {
-  transfer_bulk_kernel<SrcSide, DstSide><<<bulk_grid(p, num_blocks), kBulkThreads, 0, stream>>>(p);
+cudaError_t launch_transfer_bulk_kernel(const BulkParams& p, int grid, cudaStream_t stream) {
+  transfer_bulk_kernel<SrcSide, DstSide><<<grid, kBulkThreads, bulk_shared_bytes(p), stream>>>(p);
   HICACHE_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }

@@ -9,8 +9,8 @@
              refuses) or when the driver does not support the call, and says so with a warning and
              in ``last_fallback``; any other error raises.
 ``kernel``   the CUDA kernels of ``csrc/``: SM threads read/write pinned host memory through its
-             device-mapped address (zero copy), on a bounded grid (``num_blocks`` blocks of
-             ``warps_per_block`` warps; default 4 x 32, so at most 4 SMs).
+             device-mapped address (zero copy), on a bounded grid (``num_blocks`` CTAs of
+             ``warps_per_block`` warps; default 4 SMs' worth: 16 CTAs of 8 warps).
 ``triton``   the same gather/scatter in Triton (zero copy as well); on CPU tensors under
              ``TRITON_INTERPRET=1``.
 ``auto``     per call, the design a benchmark measured fastest for the direction and fragment size

@@ -12,6 +12,7 @@ from typing import Any
 from ..plan import TransferPlan
 from .base import IOBackend
 from .copy_engine import BatchBackend, DirectBackend, legacy_stream_reason
+from .kernel import DEFAULT_SM_BUDGET as _KERNEL_SM_BUDGET
 from .kernel import KernelBackend
 from .staged import StagedBackend
 
@@ -63,7 +64,7 @@ class AutoBackend(IOBackend):
 
     name = "auto"
     DEFAULTS = {"kernel_max_fragment_bytes": 256 * 1024}
-    DEFAULT_SM_BUDGET = 4  # KernelBackend's default num_blocks
+    DEFAULT_SM_BUDGET = _KERNEL_SM_BUDGET  # the kernel backend's default: 4 SMs' worth of CTAs
     KEYS = ("kernel_max_fragment_bytes", "sm_budget", "table")
 
     def __init__(self, thresholds: dict[str, Any] | None = None, path: Path | None = None) -> None:
@@ -89,8 +90,8 @@ class AutoBackend(IOBackend):
         if self.sm_budget < 1:
             raise ValueError(f"{where}: sm_budget: expected an int >= 1, got {self.sm_budget}")
         self.table = self._parse_table(config.get("table", {}), where)
-        self.kernel = KernelBackend(num_blocks=self.sm_budget)
-        self.kernel_bulk = KernelBackend(num_blocks=self.sm_budget, design="bulk")
+        self.kernel = KernelBackend.for_sm_budget(self.sm_budget)
+        self.kernel_bulk = KernelBackend.for_sm_budget(self.sm_budget, design="bulk")
         self.staged = StagedBackend()
         self.batch = BatchBackend()
         self.direct = DirectBackend()

@@ -1,7 +1,12 @@
 """The ``kernel`` io-backend: the CUDA kernels of ``csrc/`` on a bounded grid.
 
 SM threads read and write pinned host memory through its device-mapped address (zero copy), on
-``num_blocks`` blocks of ``warps_per_block`` warps (default 4 x 32, so at most 4 SMs). Two designs:
+``num_blocks`` blocks (CTAs) of ``warps_per_block`` warps. The default is the warps of 4 SMs
+(:data:`DEFAULT_SM_BUDGET`) cut into 8-warp CTAs: 16 CTAs of 256 threads for the register kernel
+(a 1024-thread CTA cannot become resident on an SM where a GEMM or attention CTA leaves less than
+a whole CTA's threads or registers free, so a layer load waited for SMs to drain), and 4 CTAs of
+the bulk kernel (2 warps and its ring each). :meth:`KernelBackend.for_sm_budget` builds that shape
+for any budget. Two designs:
 ``register`` (loads and stores through registers) and ``bulk`` (the bulk-copy kernel, sm_90+ with
 16-byte alignment; elsewhere the register kernel runs and :class:`KernelBackend` says why).
 """
@@ -20,7 +25,35 @@ from .._ext import cuda_runtime_status, load_extension
 from ..plan import TransferPlan
 from .base import IOBackend, cuda_reason, device_indices, nothing, on_device, pinned_reason, prepare_gpu_launch
 
-__all__ = ["KernelBackend"]
+__all__ = ["DEFAULT_SM_BUDGET", "DEFAULT_WARPS_PER_BLOCK", "KernelBackend", "blocks_for_sm_budget"]
+
+#: SMs' worth of warps the kernel backend uses by default (and ``auto``'s default budget).
+DEFAULT_SM_BUDGET = 4
+#: The register kernel's default CTA: 8 warps. Small enough to sit beside another kernel's CTAs on
+#: an SM (Hopper: 64 warps and 64 Ki registers per SM), large enough that a CTA's issue overhead
+#: stays small. Not yet measured against 32-warp CTAs on a GPU (the first GPU run used 4 x 32).
+DEFAULT_WARPS_PER_BLOCK = 8
+_WARPS_PER_SM = 32  # a budget of B SMs: the warps of B full 1024-thread CTAs
+
+
+def blocks_for_sm_budget(
+    sm_budget: int, design: str = "register", warps_per_block: int = DEFAULT_WARPS_PER_BLOCK
+) -> int:
+    """CTAs for a budget of ``sm_budget`` SMs' worth of work.
+
+    The register kernel gets ``sm_budget * 32 / warps_per_block`` CTAs (the warps of ``sm_budget``
+    SMs at 32 warps each, rounded up to whole CTAs); the bulk kernel, whose CTA is two warps and a
+    ring of at most 32 KiB, one CTA per SM of the budget.
+    """
+    if not isinstance(sm_budget, int) or isinstance(sm_budget, bool) or sm_budget < 1:
+        raise ValueError(f"sm_budget: expected a positive int, got {sm_budget!r}")
+    if not isinstance(warps_per_block, int) or not 1 <= warps_per_block <= 32:
+        raise ValueError(f"warps_per_block: expected an int in [1, 32], got {warps_per_block!r}")
+    if design == "bulk":
+        return sm_budget
+    if design != "register":
+        raise ValueError(f"design: expected one of register, bulk, got {design!r}")
+    return -(-sm_budget * _WARPS_PER_SM // warps_per_block)
 
 
 @functools.cache
@@ -81,10 +114,12 @@ class KernelBackend(IOBackend):
 
     Parameters
     ----------
-    num_blocks : int
-        Blocks of the grid (at most that many SMs busy).
+    num_blocks : int, optional
+        CTAs of the grid (at most that many busy at once). Default: :data:`DEFAULT_SM_BUDGET` SMs'
+        worth (:func:`blocks_for_sm_budget`): 16 for the register design, 4 for the bulk one.
     warps_per_block : int
-        Warps per block, in [1, 32].
+        Warps per CTA of the register kernel, in [1, 32] (default 8). The bulk kernel's CTA is
+        always two warps.
     count_skipped : bool
         Make the kernels count the work units they skip for an out-of-range index (in fast mode,
         ``check_indices=False``) in a device counter, without any sync; :meth:`skipped` reads it (one
@@ -108,21 +143,35 @@ class KernelBackend(IOBackend):
     DESIGNS = ("register", "bulk")
 
     def __init__(
-        self, num_blocks: int = 4, warps_per_block: int = 32, count_skipped: bool = False, design: str = "register"
+        self,
+        num_blocks: int | None = None,
+        warps_per_block: int = DEFAULT_WARPS_PER_BLOCK,
+        count_skipped: bool = False,
+        design: str = "register",
     ) -> None:
         if design not in self.DESIGNS:
             raise ValueError(f"design: expected one of {', '.join(self.DESIGNS)}, got {design!r}")
         self.design = design
         self.last_design: str | None = None  # the design the last prepared copy uses
         self.last_design_reason: str | None = None  # why that is not the design asked for
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         if not isinstance(warps_per_block, int) or not 1 <= warps_per_block <= 32:
             raise ValueError(f"warps_per_block: expected an int in [1, 32], got {warps_per_block!r}")
+        if num_blocks is None:
+            num_blocks = blocks_for_sm_budget(DEFAULT_SM_BUDGET, design, warps_per_block)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.warps_per_block = warps_per_block
         self.count_skipped = count_skipped
         self._skipped: dict[torch.device, _SkipCounter] = {}
+
+    @classmethod
+    def for_sm_budget(cls, sm_budget: int, design: str = "register", **kwargs: Any) -> KernelBackend:
+        """A backend on ``sm_budget`` SMs' worth of CTAs (:func:`blocks_for_sm_budget`), with
+        ``warps_per_block`` and the other arguments as the constructor takes them."""
+        warps = kwargs.pop("warps_per_block", DEFAULT_WARPS_PER_BLOCK)
+        blocks = blocks_for_sm_budget(sm_budget, design, warps)
+        return cls(num_blocks=blocks, warps_per_block=warps, design=design, **kwargs)
 
     def _skip_counter(self, device: torch.device) -> _SkipCounter:
         if device not in self._skipped:

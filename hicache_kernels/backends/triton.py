@@ -82,7 +82,7 @@ DEFAULT_MAX_PROGRAMS = 64
 """Programs a launch runs at most (a persistent grid: each takes row blocks of (kv, layer) units in turn).
 Bounded so a transfer occupies a few SMs beside the model's kernels rather than flooding every SM (an
 uncapped grid of ``cdiv(n, ROWS) x units`` programs slowed a GEMM beside it 1.63x in tokenspeed#150);
-64 programs of 4 warps are about the ``kernel`` backend's default 4 x 32 warps x 2."""
+64 programs of 4 warps are twice the ``kernel`` backend's default 16 CTAs x 8 warps."""
 MAX_PROGRAMS_LIMIT = 2**31 - 1
 """CUDA's limit on grid dimension 0."""
 

@@ -80,7 +80,7 @@ class PointSpec:
     layout: str
     page_size: int
     num_pages: int
-    sm_budget: int | None  # kernel/auto: blocks (at most that many SMs); copy engines: None
+    sm_budget: int | None  # kernel/auto: SMs' worth of CTAs (blocks_for_sm_budget); copy engines: None
 
     @property
     def num_tokens(self) -> int:

@@ -81,13 +81,13 @@ def _backend_object(spec: PointSpec):
     from ..backends import AutoBackend, KernelBackend, get_backend
 
     if spec.backend == "kernel":
-        return KernelBackend(num_blocks=spec.sm_budget)
+        return KernelBackend.for_sm_budget(spec.sm_budget)
     if spec.backend == KERNEL_BULK:
-        return KernelBackend(num_blocks=spec.sm_budget, design="bulk")
+        return KernelBackend.for_sm_budget(spec.sm_budget, design="bulk")
     if spec.backend == "auto":  # its settings (decision table) from the user's file, its kernels on the point's SMs
         auto = AutoBackend()
-        auto.kernel = KernelBackend(num_blocks=spec.sm_budget)
-        auto.kernel_bulk = KernelBackend(num_blocks=spec.sm_budget, design="bulk")
+        auto.kernel = KernelBackend.for_sm_budget(spec.sm_budget)
+        auto.kernel_bulk = KernelBackend.for_sm_budget(spec.sm_budget, design="bulk")
         return auto
     return get_backend(spec.backend)
 

@@ -322,7 +322,7 @@ def test_auto_table_round_trip_and_the_old_format(tmp_path):
     loaded = AutoBackend(path=path)
     assert (loaded.thresholds, loaded.sm_budget, loaded.settings()) == ({"kernel_max_fragment_bytes": 4096}, 8, saved)
     assert loaded.table["d2h"][512] == ("kernel-bulk", "staged", "batch", "direct")
-    assert (loaded.kernel.num_blocks, loaded.kernel_bulk.num_blocks, loaded.kernel_bulk.design) == (8, 8, "bulk")
+    assert (loaded.kernel.num_blocks, loaded.kernel_bulk.num_blocks, loaded.kernel_bulk.design) == (32, 8, "bulk")
     path.write_text(json.dumps({"kernel_max_fragment_bytes": 123}))  # the format before the table
     old = AutoBackend(path=path)
     assert (old.thresholds, old.table, old.sm_budget) == ({"kernel_max_fragment_bytes": 123}, {}, 4)
@@ -400,6 +400,34 @@ def test_batch_raises_on_other_errors(monkeypatch, recwarn, code):
     assert not [w for w in recwarn if "fell back" in str(w.message)]
     assert batch.last_fallback is None
     assert "memcpy_fragments" not in [name for name, _ in ext.calls]
+
+
+def test_kernel_backend_default_shape_is_small_ctas_worth_four_sms(monkeypatch):
+    """The register kernel's default grid: 16 CTAs of 8 warps (the warps of 4 full SMs in CTAs that
+    fit beside another kernel's); the bulk kernel's: 4 CTAs. An SM budget scales both."""
+    from hicache_kernels.backends.kernel import DEFAULT_SM_BUDGET, blocks_for_sm_budget
+
+    assert DEFAULT_SM_BUDGET == 4
+    k = KernelBackend()
+    assert (k.num_blocks, k.warps_per_block) == (16, 8)
+    assert KernelBackend(design="bulk").num_blocks == 4
+    assert KernelBackend(warps_per_block=32).num_blocks == 4  # the same warps in 1024-thread CTAs
+    assert KernelBackend(warps_per_block=6).num_blocks == 22  # rounded up to whole CTAs
+    assert KernelBackend(num_blocks=3).num_blocks == 3
+    b = KernelBackend.for_sm_budget(2, warps_per_block=4)
+    assert (b.num_blocks, b.warps_per_block, b.design) == (16, 4, "register")
+    assert KernelBackend.for_sm_budget(6, design="bulk", count_skipped=True).num_blocks == 6
+    assert [blocks_for_sm_budget(s) for s in (1, 2, 3)] == [4, 8, 12]
+    for bad, name in [
+        ((0,), "sm_budget"),
+        ((True,), "sm_budget"),
+        ((2, "cuda"), "design"),
+        ((2, "register", 33), "warps_per_block"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            blocks_for_sm_budget(*bad)
+    with pytest.raises(ValueError, match="warps_per_block"):
+        KernelBackend(warps_per_block=0)
 
 
 @pytest.mark.parametrize(
@@ -819,7 +847,8 @@ def test_bulk_design_is_used_where_it_can_run(monkeypatch, head_dim, capability,
     assert (kernel.last_design_reason is None) == (launched == "transfer_bulk")
     register = RecordingExt()
     use_ext(monkeypatch, register)
-    KernelBackend().run(plan)  # the default design: the same arguments to the register kernel (and dst_host)
+    # the default design on the same grid: the same arguments to the register kernel (and dst_host)
+    KernelBackend(num_blocks=kernel.num_blocks).run(plan)
     assert register.calls[-1] == ("transfer", args[:17] + (True,))
 
 

@@ -260,6 +260,7 @@ def run_schedule(C, plan, num_blocks: int, src_ranges, dst_ranges) -> tuple[dict
     )  # fmt: skip
     stages, stage_bytes = sched["stages"], sched["stage_bytes"]
     assert 1 <= sched["blocks"] <= num_blocks
+    check_ring(sched, route.chunk_bytes)
     rings = {b: np.zeros(stages * stage_bytes, dtype=np.uint8) for b in range(sched["blocks"])}
     by_round: dict[tuple[int, int], list[tuple]] = {}
     for copy in sched["copies"]:
@@ -281,6 +282,23 @@ def run_schedule(C, plan, num_blocks: int, src_ranges, dst_ranges) -> tuple[dict
         rounds = sorted(r for b, r in by_round if b == block)
         assert rounds == list(range(len(rounds))), block
     return sched, keep
+
+
+def check_ring(sched: dict, chunk_bytes: int) -> None:
+    """The launch's ring (its dynamic shared memory) is as small as its work allows: one stage per
+    round a CTA runs, up to the most stages, and a stage only as large as its pieces, rounded up to
+    128 bytes (never over the largest stage)."""
+    copies = sched["copies"]
+    stages, stage_bytes = sched["stages"], sched["stage_bytes"]
+    rounds = 1 + max(c[1] for c in copies)
+    assert stages == min(sched["max_stages"], rounds), (stages, rounds)
+    assert stage_bytes % 128 == 0 and 0 < stage_bytes <= sched["max_stage_bytes"], stage_bytes
+    piece_stride = min(chunk_bytes, sched["max_stage_bytes"])
+    per_stage = sched["max_stage_bytes"] // piece_stride
+    total_pieces = len({(c[1], c[0], c[4]) for c in copies})  # every piece lands once (no skips here)
+    if sched["oob_count"] == 0:
+        used = min(per_stage, total_pieces) * piece_stride
+        assert stage_bytes == -(-used // 128) * 128, (stage_bytes, used)
 
 
 CASES = [
@@ -317,6 +335,36 @@ def test_emulated_schedule_matches_the_reference(C, direction, layout, mla, page
     if head_dim == 520:
         assert max(c[1] for c in sched["copies"]) >= sched["stages"], "the ring never wrapped"
     assert pools.equal(expected)
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    ("page_size", "head_dim", "count", "num_blocks", "stages"),
+    [
+        (1, 8, 3, 4, 1),  # 12 pieces of 32 bytes: one batch, one CTA, one stage of 384 bytes
+        (1, 8, 40, 1, 1),  # 160 pieces of 32 bytes: a stage holds 256, so one round
+        (4, 520, 23, 1, 4),  # 2080-byte pieces, 3 a stage: 31 rounds on one CTA wrap the full ring
+        (4, 520, 4, 3, 2),  # 16 pieces, 6 batches on 3 CTAs: 2 rounds each, so 2 stages
+    ],
+)
+def test_ring_is_sized_to_the_launch(C, page_size, head_dim, count, num_blocks, stages) -> None:
+    """A launch's dynamic shared memory is its ring: one stage per round a CTA runs (at most the
+    largest ring's) of only the bytes its pieces take, so a small launch asks for far less than the
+    32 KiB maximum."""
+    pools = make_pools(layout="layer_first", mla=False, dtype=torch.float16, page_size=page_size, head_dim=head_dim,
+                       direction="d2h", host_pages=12, num_layers=2)  # fmt: skip
+    d_idx, h_idx = make_indices("random", 96, 12 * page_size if page_size > 1 else 48, page_size, count=count, seed=1)
+    assert len(d_idx) == count
+    plan = ops.build_plan("d2h", pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout="layer_first",
+                          page_size=page_size)  # fmt: skip
+    device = pools.layers(pools.device_k) + pools.layers(pools.device_v)
+    sched, _ = run_schedule(C, plan, num_blocks, tensor_ranges(device), tensor_ranges([pools.host]))
+    chunk = plan.route.chunk_bytes
+    pieces = count * 2 * 2 * plan.route.num_chunks
+    used = min(pieces, sched["max_stage_bytes"] // chunk) * chunk
+    assert sched["stages"] == stages
+    assert sched["stage_bytes"] == -(-used // 128) * 128 < sched["max_stage_bytes"]
+    assert pools.equal(expected_after(pools, "d2h", d_idx, h_idx, None))
 
 
 @needs_extension

@@ -361,7 +361,9 @@ def test_auto_points_run_both_kernel_designs_on_the_points_budget():
     spec = next(s for s in custom_specs("auto") if s.sm_budget is not None)
     spec = dataclasses.replace(spec, sm_budget=2)
     auto = bench_sweep._backend_object(spec)
-    assert (auto.kernel.num_blocks, auto.kernel_bulk.num_blocks, auto.kernel_bulk.design) == (2, 2, "bulk")
+    # 2 SMs' worth: 8 register CTAs of 8 warps, 2 bulk CTAs
+    assert (auto.kernel.num_blocks, auto.kernel.warps_per_block) == (8, 8)
+    assert (auto.kernel_bulk.num_blocks, auto.kernel_bulk.design) == (2, "bulk")
 
 
 def test_full_sweep_covers_sm_budgets_1_to_8_for_both_kernel_designs():
