@@ -41,6 +41,7 @@ class Mutant:
     new: str
     tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
     env: dict[str, str] = field(default_factory=dict)
+    group: str = "core"  # "sglang": needs SGLang's modules (run with --group sglang where they import)
 
 
 _LAUNCH_LAYER = (
@@ -54,6 +55,8 @@ _WAIT_READY = (
 _RECORD_START = (
     "                ack.start.record(stream)  # after the wait: the copy's time is its own, not the queue's\n"
 )
+_SGLANG_TESTS = "tests/integrations/test_sglang_storage.py"
+_REQUIRE = {"HICACHE_REQUIRE_CLIENTS": "1"}
 CACHE_SUITES = ("tests/cache/test_radix_cache.py", "tests/controller/test_controller.py")
 
 MUTANTS = [
@@ -340,6 +343,58 @@ MUTANTS = [
         ("tests/serving/test_engine.py", "tests/controller/test_layer_counter.py"),
         DEFERRED,
     ),
+    # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
+    # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
+    Mutant(
+        "sglang-namespace-drops-dtype",
+        "the adapter's namespace leaves the KV dtype out: another dtype reads the bytes (33 #1, sglang#33268)",
+        "python/hicache/integrations/sglang.py",
+        '            "dtype": str(host.dtype),\n',
+        "",
+        (_SGLANG_TESTS, "-k", "namespace"),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
+        "sglang-mha-shard-not-keyed",
+        "an MHA rank's heads are left out of its namespace: a rank reads another rank's shard (33 #1)",
+        "python/hicache/integrations/sglang.py",
+        '                fields["heads"] = [cfg.tp_rank * heads, heads]',
+        "                pass",
+        (_SGLANG_TESTS, "-k", "shard"),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
+        "sglang-non-writer-stores",
+        "an MLA rank that is not SGLang's storage writer stores pages too (33 #1)",
+        "python/hicache/integrations/sglang.py",
+        "        self.writer = bool(storage_config.is_storage_writer)\n",
+        "        self.writer = True\n",
+        (_SGLANG_TESTS, "-k", "writer"),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
+        "sglang-fault-raises",
+        "a store fault in a zero-copy read escapes into SGLang's prefetch thread (33 #1)",
+        "python/hicache/integrations/sglang.py",
+        "        except Exception as exc:  # a store fault is a miss\n",
+        "        except NotImplementedError as exc:\n",
+        (_SGLANG_TESTS, "-k", "faults"),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
+        "sglang-head-group-order",
+        "a split page_head flat page is cut into consecutive pieces, not K and V of each head group (33 #1)",
+        "python/hicache/integrations/sglang.py",
+        "                parts = [flat] if groups == 1 else self._split_page(flat)\n",
+        "                parts = [flat] if groups == 1 else list(flat.reshape(groups, -1))\n",
+        (_SGLANG_TESTS, "-k", "tp4"),
+        _REQUIRE,
+        "sglang",
+    ),
 ]
 
 
@@ -388,14 +443,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated mutant names")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--group",
+        default="core",
+        choices=sorted({m.group for m in MUTANTS}),
+        help="which mutants: core (default) or sglang (needs SGLang's modules: HICACHE_SGLANG_PATH)",
+    )
     a = p.parse_args(argv)
-    mutants = MUTANTS
+    mutants = [m for m in MUTANTS if m.group == a.group]
     if a.only:
         names = a.only.split(",")
         unknown = sorted(set(names) - {m.name for m in MUTANTS})
         if unknown:
             p.error(f"--only: no mutant named {', '.join(unknown)}")
-        mutants = [m for m in MUTANTS if m.name in names]
+        mutants = [m for m in MUTANTS if m.name in names]  # by name, whatever their group
     if a.list:
         for m in mutants:
             print(f"{m.name:36} {m.path}: {m.why}")
