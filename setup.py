@@ -45,6 +45,7 @@ from pathlib import Path
 import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
@@ -389,6 +390,33 @@ _CXX_RULES = [
 ]
 
 
+def _sglang_switch():
+    """hicache_kernels/compat/sglang_switch.py loaded by path (it imports only the standard library at
+    load time): its .pth file name and line."""
+    spec = importlib.util.spec_from_file_location(
+        "_hicache_sglang_switch", ROOT / "hicache_kernels/compat/sglang_switch.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PTH_NAME, module.PTH_LINE
+
+
+# The SGLang kernel switch: a .pth file at the top of the install runs its line at every interpreter
+# start; the line imports nothing unless HICACHE_SGL_KERNEL is set.
+SGL_PTH, SGL_PTH_LINE = _sglang_switch()
+
+
+class BuildPy(build_py):
+    """The packages, and the SGLang switch's .pth file beside them (so a wheel installs it)."""
+
+    def run(self) -> None:
+        super().run()
+        Path(self.build_lib, SGL_PTH).write_text(SGL_PTH_LINE)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib, SGL_PTH))]
+
+
 class SourceDist(sdist):
     """The sdist is the same whatever the arch list: its version has no local label (a wheel built
     from it gets its own)."""
@@ -413,5 +441,5 @@ setup(
         # csrc/'s own .cu/.cpp files (csrc/host/ is the core's): skipped without CUDA.
         Extension(CUDA_EXT, sources=_sources(ROOT / "csrc", (".cu", ".cpp"))),
     ],
-    cmdclass={"build_ext": NinjaBuild, "sdist": SourceDist},
+    cmdclass={"build_ext": NinjaBuild, "build_py": BuildPy, "sdist": SourceDist},
 )

@@ -76,6 +76,11 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append("  io-backends:")
     for name, s in r["io_backends"].items():
         lines.append(f"    {name:<7} {'usable' if s['usable'] else 'unusable'}: {s['reason']}")
+    sw = r.get("sglang_switch")
+    if sw is not None:
+        state = "ON" if sw["on"] else "off"
+        patched = f"; SGLang modules patched: {', '.join(sw['patched'])}" if sw["patched"] else ""
+        lines.append(f"  SGLang kernel switch (HICACHE_SGL_KERNEL={sw['env'] or 'unset'}): {state}{patched}")
     hc = r.get("host_core")
     if hc is not None:
         where = f"built ({hc['file']})" if hc["built"] else f"NOT available: {hc['reason']}"
@@ -103,6 +108,9 @@ def main(argv: list[str] | None = None, extra: Any = None, prog: str = "python -
     from ._env import gather
 
     report = gather()
+    from .compat.sglang_switch import status
+
+    report["sglang_switch"] = status()
     if extra is not None:
         extra(report)
     if args.json:

@@ -118,6 +118,13 @@ assert b["cuda_built"] and b["archs"] == [str(a) for a in parse_arch_list(archs)
 print(f"check_dist: {len(modules)} modules import from {site}; version {version}, archs {b['archs']}")
 EOF
   ) || fail "imports from $venv"
+  # The SGLang kernel switch's .pth file: installed, inert without HICACHE_SGL_KERNEL, on with it = 1.
+  [ -f "$(site_of "$venv")/hicache_kernels_sgl.pth" ] || fail "$venv has no hicache_kernels_sgl.pth"
+  (cd "$WORK" && env -u HICACHE_SGL_KERNEL "$venv/bin/python" -c \
+    "import sys; sys.exit('hicache_kernels' in sys.modules)") || fail "the .pth file imports without the switch"
+  (cd "$WORK" && HICACHE_SGL_KERNEL=1 "$venv/bin/python" -c \
+    "import sys; sys.exit(not sys.modules['hicache_kernels.compat.sglang_switch'].status()['on'])") ||
+    fail "HICACHE_SGL_KERNEL=1 did not turn the switch on in $venv"
   for script in hicache-info hicache-bench hicache-pcie hicache-targets hicache-bench-serving hicache-bench-tree \
     hicache-bench-storage; do
     [ -x "$venv/bin/$script" ] || fail "$venv/bin/$script was not installed"

@@ -343,6 +343,22 @@ MUTANTS = [
         ("tests/serving/test_engine.py", "tests/controller/test_layer_counter.py"),
         DEFERRED,
     ),
+    Mutant(
+        "sglang-switch-leaves-jit-on",
+        "HICACHE_SGL_KERNEL=1 binds the compat functions but leaves SGLang's JIT kernels first (33 #2)",
+        "hicache_kernels/compat/sglang_switch.py",
+        "            setattr(module, name, _no_jit)\n",
+        "            pass\n",
+        ("tests/kernels/test_sglang_switch.py",),
+    ),
+    Mutant(
+        "sglang-switch-pth-not-inert",
+        "the .pth line imports the package in every interpreter, switch or not (33 #2)",
+        "hicache_kernels/compat/sglang_switch.py",
+        """os.environ.get("HICACHE_SGL_KERNEL", "0") != "0" and '""",
+        """os.environ.get("HICACHE_SGL_KERNEL", "0") != "x" and '""",
+        ("tests/kernels/test_sglang_switch.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

@@ -1,0 +1,79 @@
+"""The SGLang kernel switch (``HICACHE_SGL_KERNEL=1``, hicache_kernels.compat.sglang_switch) driven by
+SGLang 0.5.23's own host pools: in a fresh interpreter that runs the ``.pth`` file's line first, SGLang's
+``backup_from_device_all_layer`` and ``load_to_device_per_layer`` move random KV between its own CPU
+device pools and host pools through this package's compat functions (the Triton interpreter runs them),
+byte for byte, for every layout and io-backend SGLang accepts, with its JIT kernels off. Without the
+switch SGLang has no transfer functions on a CPU at all (the control)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import need
+
+need(["sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla"])
+
+CHILD = Path(__file__).with_name("sglang_kernel_child.py")
+# (kind, layout, io-backend) that SGLang 0.5.23 itself refuses ("Unsupported layout"); all others run.
+REFUSED_BY_SGLANG = {("mha", "page_first", "direct"), ("mha", "page_first_direct", "kernel"),
+                     ("mha", "page_head", "direct"), ("mla", "page_first", "direct"),
+                     ("mla", "page_first_direct", "kernel")}  # fmt: skip
+
+
+def run_child(env_value: str | None) -> tuple[dict | None, str]:
+    env = {k: v for k, v in os.environ.items() if k != "HICACHE_SGL_KERNEL"}
+    if env_value is not None:
+        env["HICACHE_SGL_KERNEL"] = env_value
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path])
+    proc = subprocess.run([sys.executable, str(CHILD)], env=env, capture_output=True, text=True, timeout=900)
+    lines = proc.stdout.strip().splitlines()
+    return (json.loads(lines[-1]) if proc.returncode == 0 and lines else None), proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def switched():
+    out, err = run_child("1")
+    assert out is not None, err
+    return out
+
+
+def test_switch_is_on_and_patched_sglangs_pools(switched):
+    status = switched["status"]
+    assert status["on"] and status["env"] == "1"
+    assert {"sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla"} <= set(status["patched"])
+    assert not switched["loaded_at_start"]  # the hook loads the compat functions only with SGLang's modules
+
+
+def test_sglangs_own_backup_and_load_run_our_functions_byte_exact(switched):
+    ran = 0
+    for case, res in switched["results"].items():
+        kind, layout, io = case.split()
+        if (kind, layout, io) in REFUSED_BY_SGLANG:
+            assert res.get("error", "").startswith("ValueError: Unsupported layout"), (case, res)
+            continue
+        assert "error" not in res, (case, res)
+        assert res["exact"] and not res["jit"], (case, res)
+        assert res["calls"], (case, "no compat function was called")
+        ran += 1
+    assert ran == 9
+
+
+def test_without_the_switch_the_pth_line_imports_nothing_and_sglang_has_no_transfers():
+    out, err = run_child(None)
+    assert out is not None, err
+    assert not out["status"]["on"] and out["status"]["patched"] == []
+    errors = [r.get("error", "") for r in out["results"].values()]
+    assert all(e.startswith(("NameError", "ValueError: Unsupported layout")) for e in errors), errors
+    assert sum(e.startswith("NameError") for e in errors) == 9  # the control: nothing to call on a CPU
+
+
+def test_a_value_other_than_0_or_1_is_refused_and_leaves_it_off():
+    out, err = run_child("yes")
+    assert out is not None and not out["status"]["on"], err
+    assert "HICACHE_SGL_KERNEL='yes' is not 0 or 1" in err
