@@ -7,7 +7,7 @@ by default: without the variable the ``.pth`` line imports nothing.
 
 :func:`install` puts an import hook first on ``sys.meta_path``. When SGLang imports one of its host-pool
 modules (:data:`TARGETS`: ``memory_pool_host``, ``pool_host.mha``, ``pool_host.mla``,
-``pool_host.mamba``), the hook runs the module as usual and then:
+``pool_host.mamba``, ``pool_host.unified``), the hook runs the module as usual and then:
 
 - binds every ``sgl_kernel.kvcacheio`` transfer function the module calls (:data:`KVCACHEIO`) to
   :mod:`hicache_kernels.compat.sgl_kernel`'s function of the same name, whether or not the module
@@ -58,6 +58,7 @@ TARGETS = (
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.pool_host.mla",
     "sglang.srt.mem_cache.pool_host.mamba",
+    "sglang.srt.mem_cache.pool_host.unified",
 )
 #: The transfer functions those modules import from ``sgl_kernel.kvcacheio`` (SGLang 0.5.23).
 KVCACHEIO = (
