@@ -8,7 +8,7 @@
     --hicache-storage-backend-extra-config '{"backend_name": "hicache",
         "module_path": "hicache.integrations.sglang", "class_name": "HiCacheKernelsStorage",
         "interface_v1": 1, "hicache_backend": "file",
-        "hicache_backend_config": {"root": "/mnt/kv", "capacity_bytes": 100000000000}}'
+        "hicache_backend_config": {"path": "/mnt/kv", "capacity_bytes": 100000000000}}'
 
 ``hicache_backend`` is ``"file"``, ``"mooncake"``, ``"nixl"`` or ``"package.module:Class"`` (any
 :class:`~hicache.storage.base.StorageBackend`), built by :func:`hicache.storage.create_backend` with
