@@ -12,8 +12,8 @@ exec(sglang_switch.PTH_LINE)  # what site.py runs for the installed .pth file
 loaded_at_start = "hicache_kernels.compat.sgl_kernel" in sys.modules
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mha, mla  # noqa: E402
+from sglang_pools import LAYERS, PAGE, mha_pools, mla_pools, random_bytes  # noqa: E402
 
 from hicache_kernels.compat import sgl_kernel as compat  # noqa: E402
 
@@ -30,53 +30,16 @@ for _name in sglang_switch.KVCACHEIO:  # count what SGLang calls, by name, throu
 
             setattr(_mod, _name, _counted)
 
-PAGE, LAYERS = 4, 3
-
-
-def random_bytes(t: torch.Tensor, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    raw = t.view(-1).view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-
 
 def pages(*firsts: int) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in firsts])
 
 
 def run(kind: str, layout: str, io: str) -> dict:
+    kv, host = mha_pools(layout) if kind == "mha" else mla_pools(layout)
     if kind == "mha":
-        kv = MHATokenToKVPool(
-            256, PAGE, torch.bfloat16, 2, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1
-        )
-        host = mha.MHATokenToKVPoolHost(
-            kv.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            PAGE,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=kv.size,
-            start_layer=0,
-            end_layer=LAYERS - 1,
-            write_back_staging=kv.hicache_write_back_staging,
-        )
         device = [kv.k_buffer[i] for i in range(LAYERS)] + [kv.v_buffer[i] for i in range(LAYERS)]
     else:
-        kv = MLATokenToKVPool(
-            256, PAGE, torch.bfloat16, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1
-        )
-        host = mla.MLATokenToKVPoolHost(
-            kv.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            PAGE,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=kv.size,
-            start_layer=0,
-            end_layer=LAYERS - 1,
-            target_layer_num=LAYERS,
-        )
         device = [kv.kv_buffer[i] for i in range(LAYERS)]
     for i, t in enumerate(device):
         random_bytes(t, i)

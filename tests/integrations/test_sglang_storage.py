@@ -23,37 +23,23 @@ need([
 ])  # fmt: skip
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageFailureInjector  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang_pools import DTYPE, LAYERS, PAGE, mha_pools, mla_pools, random_bytes  # noqa: E402
 
 from hicache.integrations.sglang import MHA_LAYOUTS, MLA_LAYOUTS, HiCacheKernelsStorage  # noqa: E402
 from hicache.storage import FileBackend, StorageBackend  # noqa: E402
 
-PAGE = 4
-LAYERS = 3
-DTYPE = torch.bfloat16
+
+def mha_host(layout: str, heads: int = 2, head_dim: int = 8, dtype: torch.dtype = DTYPE):
+    return mha_pools(layout, heads, head_dim, dtype)[1]
 
 
-def mha_host(layout: str, heads: int = 2, head_dim: int = 8, dtype: torch.dtype = DTYPE) -> MHATokenToKVPoolHost:
-    kv = MHATokenToKVPool(256, PAGE, dtype, heads, head_dim, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1)
-    return MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False,
-                                device_capacity_tokens=kv.size, start_layer=kv.start_layer, end_layer=kv.end_layer,
-                                write_back_staging=kv.hicache_write_back_staging)  # fmt: skip
-
-
-def mla_host(layout: str, dtype: torch.dtype = DTYPE) -> MLATokenToKVPoolHost:
-    kv = MLATokenToKVPool(256, PAGE, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1)
-    return MLATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False,
-                                device_capacity_tokens=kv.size, start_layer=kv.start_layer, end_layer=kv.end_layer,
-                                target_layer_num=LAYERS)  # fmt: skip
+def mla_host(layout: str, dtype: torch.dtype = DTYPE):
+    return mla_pools(layout, dtype)[1]
 
 
 def fill_random(host, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    raw = host.kv_buffer.view(-1).view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    random_bytes(host.kv_buffer, seed)
 
 
 def poison(host, slots: torch.Tensor) -> None:

@@ -53,6 +53,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 try:
@@ -237,7 +238,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
     def _keys(self, keys: Sequence[str]) -> list[str]:
         """This namespace's object keys of SGLang's page keys (one per head group when split)."""
         out = []
-        groups = 1 if self.objects is None else self.objects.groups
+        groups = self.objects.groups
         for key in keys:
             h = hashlib.sha256(self._prefix + key.encode())
             if not self._split:
@@ -256,7 +257,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
         (logger.warning if first else logger.debug)("hicache storage %s failed (a miss): %r", what, exc)
 
     def _record(self, kind: str, pages: int, seconds: float) -> None:
-        if not self.config.enable_storage_metrics or pages == 0 or self.objects is None:
+        if not self.config.enable_storage_metrics or pages == 0:
             return
         gb = pages * self.objects.page_bytes * self.objects.groups / 1e9
         with self._lock:
@@ -264,7 +265,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
             self._metrics[f"{kind}_bw"].append(gb / max(seconds, 1e-9))
 
     def _per_page(self, results: list[bool]) -> list[bool]:
-        groups = self.objects.groups if self.objects is not None else 1
+        groups = self.objects.groups
         return [all(results[i : i + groups]) for i in range(0, len(results), groups)]
 
     def _ready(self, method: str) -> bool:
@@ -331,7 +332,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
         except Exception as exc:
             self._fault("batch_exists", exc)
             return 0
-        return n // (self.objects.groups if self.objects is not None else 1)
+        return n // self.objects.groups
 
     # -- the copying interface (flat page tensors) ---------------------------------------------------
     def _flat(self, value: Any) -> torch.Tensor:
@@ -366,9 +367,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
                     self.backend._count(misses=1)
                     out.append(None)
                     continue
-                src = torch.frombuffer(
-                    bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts)), dtype=torch.uint8
-                )
+                src = torch.frombuffer(bytearray().join(parts), dtype=torch.uint8)  # one copy
                 if groups > 1:
                     src = self._join_groups(src)
                 if target_locations is None:
@@ -390,8 +389,6 @@ class HiCacheKernelsStorage(HiCacheStorage):
     def _split_page(self, flat: Any) -> list[Any]:
         """A page_head flat page (K of every head, then V) as its head groups' objects (K then V of
         the group's heads): the byte order of the zero-copy objects."""
-        import numpy as np
-
         half = flat.size // 2
         step = half // self.objects.groups
         return [np.concatenate((flat[g * step : (g + 1) * step], flat[half + g * step : half + (g + 1) * step]))
