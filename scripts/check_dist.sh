@@ -95,7 +95,7 @@ modules = set(named)
 for top in ("hicache_kernels", "hicache"):
     modules.update(m.name for m in pkgutil.walk_packages(importlib.import_module(top).__path__, top + "."))
 # Adapters that run inside a serving framework import it; without it they say so, naming it.
-CLIENTS = {"hicache.integrations.sglang": "sglang"}
+CLIENTS = {"hicache.integrations.sglang": "sglang", "hicache.integrations.vllm": "vllm"}
 outside, needs_client = {}, []
 for n in sorted(modules):
     try:

@@ -56,6 +56,7 @@ _RECORD_START = (
     "                ack.start.record(stream)  # after the wait: the copy's time is its own, not the queue's\n"
 )
 _SGLANG_TESTS = "tests/integrations/test_sglang_storage.py"
+_VLLM_TESTS = "tests/integrations/test_vllm_tier.py"
 _REQUIRE = {"HICACHE_REQUIRE_CLIENTS": "1"}
 CACHE_SUITES = ("tests/cache/test_radix_cache.py", "tests/controller/test_controller.py")
 
@@ -411,6 +412,47 @@ MUTANTS = [
         _REQUIRE,
         "sglang",
     ),
+    # The vLLM tier (issue 33 #3): run where vLLM's tiering modules import (HICACHE_VLLM_PATH set).
+    Mutant(
+        "vllm-namespace-drops-dtype",
+        "the tier's namespace leaves the KV dtype out: another dtype reads the rows (33 #3)",
+        "python/hicache/integrations/vllm.py",
+        '        "dtype": str(config.model.dtype),\n',
+        "",
+        (_VLLM_TESTS,),
+        _REQUIRE,
+        "vllm",
+    ),
+    Mutant(
+        "vllm-result-before-backend-lets-go",
+        "a job's result is posted while the backend may still touch its rows: vLLM reuses them (33 #3)",
+        "python/hicache/integrations/vllm.py",
+        "        self._settle(ids)\n        self._post(JobResult(job_id=job_id, success=ok,",
+        "        self._post(JobResult(job_id=job_id, success=ok,",
+        (_VLLM_TESTS,),
+        _REQUIRE,
+        "vllm",
+    ),
+    Mutant(
+        "vllm-failed-load-not-a-miss",
+        "a failed promotion leaves the tier's cached lookup a hit: vLLM promotes it again forever (33 #3)",
+        "python/hicache/integrations/vllm.py",
+        "                self._lookups.mark_miss([k for k in load_keys if k not in loaded])\n",
+        "                pass\n",
+        (_VLLM_TESTS,),
+        _REQUIRE,
+        "vllm",
+    ),
+    Mutant(
+        "vllm-region-kept-at-shutdown",
+        "the tier keeps its view of vLLM's region after shutdown: vLLM cannot unmap it (33 #3)",
+        "python/hicache/integrations/vllm.py",
+        "        self.objects.release()\n",
+        "",
+        (_VLLM_TESTS,),
+        _REQUIRE,
+        "vllm",
+    ),
 ]
 
 
@@ -463,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         "--group",
         default="core",
         choices=sorted({m.group for m in MUTANTS}),
-        help="which mutants: core (default) or sglang (needs SGLang's modules: HICACHE_SGLANG_PATH)",
+        help="which mutants: core (default), sglang (needs SGLang's modules: HICACHE_SGLANG_PATH) or vllm "
+        "(needs vLLM's: HICACHE_VLLM_PATH)",
     )
     a = p.parse_args(argv)
     mutants = [m for m in MUTANTS if m.group == a.group]

@@ -37,7 +37,7 @@ def test_names_are_unique_and_the_cli_checks_them():
     names = [m.name for m in load().MUTANTS]
     assert len(names) == len(set(names)) >= 15
     listed = []
-    for group in ("core", "sglang"):  # --group picks the mutants a run takes; the groups cover them all
+    for group in ("core", "sglang", "vllm"):  # --group picks the mutants a run takes; the groups cover them all
         out = subprocess.run([sys.executable, str(SCRIPT), "--list", "--group", group], capture_output=True, text=True,
                              check=True)  # fmt: skip
         listed += [line.split()[0] for line in out.stdout.splitlines()]
