@@ -161,6 +161,36 @@ def test_vllms_factory_builds_the_tier_from_its_config(tmp_path):
         tier.shutdown()
 
 
+def test_the_readme_config_loads_through_vllms_spec_factory(tmp_path):
+    """The README's --kv-transfer-config, as vLLM's OffloadingSpecFactory reads it (with a small region
+    and a temporary path)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Use with vLLM", 1)[1]
+    (text,) = re.findall(r"--kv-transfer-config '(.*?)'", section, flags=re.S)
+    transfer = json.loads(text)
+    assert transfer["kv_connector"] == "OffloadingConnector"
+    extra = transfer["kv_connector_extra_config"]
+    extra["cpu_bytes_to_use"] = BLOCK_BYTES * 4
+    extra["secondary_tiers"][0]["hicache_backend_config"]["path"] = str(tmp_path)
+    base = offloading_config({})
+    config = OffloadingConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "extra_config": extra})
+    spec = OffloadingSpecFactory.create_spec(config)
+    mgr = spec.get_manager()
+    try:
+        assert isinstance(spec, TieringOffloadingSpec)
+        (tier,) = mgr.secondary_tiers
+        assert isinstance(tier, HiCacheSecondaryTier) and isinstance(tier.backend, FileBackend)
+        assert tier.backend.stats()["capacity_bytes"] == 200000000000
+    finally:
+        mgr.shutdown()
+
+
 # -- round trips through vLLM's managers ----------------------------------------------------------------
 def test_a_second_manager_reads_what_the_first_stored_byte_for_byte(tmp_path):
     keys = keys_of(range(7))
