@@ -360,6 +360,14 @@ MUTANTS = [
         """os.environ.get("HICACHE_SGL_KERNEL", "0") != "x" and '""",
         ("tests/kernels/test_sglang_switch.py",),
     ),
+    Mutant(
+        "ranges-destinations-misordered",
+        "copy_ranges pairs each source range with another range's destination (33 #3b)",
+        "hicache_kernels/ranges.py",
+        'dst=_table(dst[pick], direction == "d2h")',
+        'dst=_table(dst[pick[::-1]], direction == "d2h")',
+        ("tests/kernels/test_ranges.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

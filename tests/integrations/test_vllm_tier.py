@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E40
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
-from hicache.integrations.vllm import HiCacheSecondaryTier, VLLMChunkObjects  # noqa: E402
+from hicache.integrations.vllm import HiCacheSecondaryTier, HiCacheTieringSpec, VLLMChunkObjects  # noqa: E402
 from hicache.storage import StorageBackend  # noqa: E402
 from hicache.storage.file import FileBackend  # noqa: E402
 
@@ -67,6 +67,11 @@ def offloading_config(tier: dict, *, model: str = "m", dtype: str = "bfloat16", 
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1), parallel=parallel,
     )  # fmt: skip
+
+
+def with_extra(config: OffloadingConfig, extra: dict) -> OffloadingConfig:
+    """``config`` with another ``extra_config`` (the connector's JSON)."""
+    return OffloadingConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "extra_config": extra})
 
 
 def file_tier(tmp_path, **kw) -> dict:
@@ -178,9 +183,7 @@ def test_the_readme_config_loads_through_vllms_spec_factory(tmp_path):
     extra = transfer["kv_connector_extra_config"]
     extra["cpu_bytes_to_use"] = BLOCK_BYTES * 4
     extra["secondary_tiers"][0]["hicache_backend_config"]["path"] = str(tmp_path)
-    base = offloading_config({})
-    config = OffloadingConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "extra_config": extra})
-    spec = OffloadingSpecFactory.create_spec(config)
+    spec = OffloadingSpecFactory.create_spec(with_extra(offloading_config({}), extra))
     mgr = spec.get_manager()
     try:
         assert isinstance(spec, TieringOffloadingSpec)
@@ -515,3 +518,43 @@ def test_chunk_ids_outside_the_region_are_refused():
                                                          [(objects.buffer.data_ptr(), 16)]]  # fmt: skip
     with pytest.raises(ValueError, match="chunk_ids"):
         objects.page_ranges([3])
+
+
+# -- HiCacheTieringSpec: vLLM's worker copies on this package's pointer-list copy -----------------------
+def test_vllms_factory_loads_the_spec_and_its_worker_copies_with_copy_ranges(tmp_path, monkeypatch):
+    """vLLM's OffloadingSpecFactory builds HiCacheTieringSpec from spec_name / spec_module_path; its
+    create_worker puts copy_ranges into the three handlers of vLLM's worker. A CPUOffloadingWorker needs
+    CUDA, so vLLM's create_worker is replaced by one returning handlers of the same shape; the swapped
+    function then copies vLLM-style descriptor tensors byte for byte (triton backend, its interpreter)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    base = offloading_config(file_tier(tmp_path))
+    extra = {**base.extra_config, "spec_name": "HiCacheTieringSpec", "spec_module_path": "hicache.integrations.vllm",
+             "hicache_io_backend": "triton"}  # fmt: skip
+    spec = OffloadingSpecFactory.create_spec(with_extra(base, extra))
+    assert type(spec) is HiCacheTieringSpec and spec.io_backend == "triton"
+
+    def handler(gpu_to_cpu):
+        return SimpleNamespace(gpu_to_cpu=gpu_to_cpu, _swap_blocks_batch=None)
+
+    fake = SimpleNamespace(_store_handler=handler(True), _load_handler=handler(False),
+                           _expedited_load_handler=handler(False))  # fmt: skip
+    monkeypatch.setattr(TieringOffloadingSpec, "create_worker", lambda self, kv: fake)
+    assert spec.create_worker(None) is fake
+    for h in (fake._store_handler, fake._load_handler, fake._expedited_load_handler):
+        assert h._swap_blocks_batch.hicache_backend == "triton"
+    src = torch.randint(0, 256, (3, 256), dtype=torch.uint8)
+    dst = torch.full((3, 256), 0xA5, dtype=torch.uint8)
+    ptrs = [t.data_ptr() + r * 256 for t in (src, dst) for r in (2, 0)]
+    fake._load_handler._swap_blocks_batch(torch.tensor(ptrs[:2]), torch.tensor(ptrs[2:]), torch.tensor([256, 128]),
+                                          is_src_access_order_any=True)  # fmt: skip
+    assert torch.equal(dst[2], src[2]) and torch.equal(dst[0, :128], src[0, :128])
+    assert (dst[0, 128:] == 0xA5).all() and (dst[1] == 0xA5).all()
+
+
+def test_an_unknown_io_backend_names_the_setting(tmp_path):
+    base = offloading_config(file_tier(tmp_path))
+    with pytest.raises(ValueError, match="backend"):
+        HiCacheTieringSpec(with_extra(base, {**base.extra_config, "hicache_io_backend": "warp-drive"}))

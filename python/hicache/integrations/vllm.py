@@ -71,6 +71,7 @@ try:
     )
     from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 except ModuleNotFoundError as exc:  # name the client, so a check of installed modules can tell it apart
     if exc.name is None or exc.name.split(".")[0] != "vllm":
         raise
@@ -80,8 +81,10 @@ except ModuleNotFoundError as exc:  # name the client, so a check of installed m
     ) from exc
 
 from hicache.storage import StorageBackend, create_backend
+from hicache_kernels.backends import get_backend
+from hicache_kernels.ranges import copy_ranges
 
-__all__ = ["HiCacheSecondaryTier", "VLLMChunkObjects"]
+__all__ = ["HiCacheSecondaryTier", "HiCacheTieringSpec", "VLLMChunkObjects", "swap_blocks_fn"]
 
 logger = logging.getLogger(__name__)
 
@@ -444,3 +447,43 @@ class HiCacheSecondaryTier(SecondaryTierManager):
         backend's."""
         with self._lock:
             return {**self.backend.stats(), **self._counts}
+
+
+# -- the GPU <-> CPU copies of vLLM's worker ---------------------------------------------------------------
+def swap_blocks_fn(gpu_to_cpu: bool, backend: str = "auto") -> Any:
+    """A drop-in for vLLM's ``swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any)``
+    (the copy vLLM's CPU offloading worker queues on its transfer stream, the current stream when it
+    calls) that runs :func:`hicache_kernels.copy_ranges` on ``backend`` instead. ``is_src_access_order_any``
+    is accepted and unused: the kernels read their sources in stream order."""
+    io = get_backend(backend)
+    direction = "d2h" if gpu_to_cpu else "h2d"
+
+    def swap_blocks_batch(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, sizes: torch.Tensor,
+                          is_src_access_order_any: bool = False) -> None:  # fmt: skip
+        copy_ranges(src_ptrs, dst_ptrs, sizes, direction=direction, backend=io)
+
+    swap_blocks_batch.hicache_backend = io.name  # type: ignore[attr-defined]
+    return swap_blocks_batch
+
+
+class HiCacheTieringSpec(TieringOffloadingSpec):
+    """vLLM's ``TieringOffloadingSpec`` whose GPU worker copies blocks between the GPU and the CPU
+    primary tier with :func:`hicache_kernels.copy_ranges` (``hicache_io_backend`` in the extra config:
+    ``"auto"`` by default, ``"kernel"``, ``"batch"`` or ``"triton"``) instead of vLLM's
+    ``swap_blocks_batch``. Everything else is vLLM's: loaded with ``"spec_name": "HiCacheTieringSpec",
+    "spec_module_path": "hicache.integrations.vllm"``, secondary tiers as for ``TieringOffloadingSpec``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.io_backend = self.extra_config.get("hicache_io_backend", "auto")
+        get_backend(self.io_backend)  # an unknown name fails here, naming the setting's value
+
+    def create_worker(self, kv_caches: Any) -> Any:
+        worker = super().create_worker(kv_caches)
+        for name in ("_store_handler", "_load_handler", "_expedited_load_handler"):
+            handler = getattr(worker, name, None)
+            if handler is None or not hasattr(handler, "_swap_blocks_batch"):
+                raise RuntimeError(f"HiCacheTieringSpec: vLLM's CPUOffloadingWorker has no {name} with a "
+                                   "_swap_blocks_batch (tested with vllm==0.34.0)")  # fmt: skip
+            handler._swap_blocks_batch = swap_blocks_fn(handler.gpu_to_cpu, self.io_backend)
+        return worker
