@@ -111,6 +111,15 @@ def store(mgr: TieringOffloadingManager, keys: list, seed: int, req: str = "w") 
     return expect
 
 
+def stored_by_a_first_manager(tier: dict, keys: list, seed: int, **kw) -> dict:
+    """:func:`store` in a manager of its own, shut down afterwards (its store's objects stay)."""
+    a = manager(tier, **kw)
+    try:
+        return store(a, keys, seed=seed)
+    finally:
+        a.shutdown()
+
+
 def settle(mgr: TieringOffloadingManager) -> None:
     for tier in mgr.secondary_tiers:
         tier.drain_jobs()
@@ -221,11 +230,7 @@ def test_round_trip_over_nixl(tmp_path):
         need_here(f"NIXL is not installed ({install_hint()})")
     tier = {"hicache_backend": "nixl", "hicache_backend_config": {"path": str(tmp_path / "kv")}}
     keys = keys_of(range(5))
-    a = manager(tier)
-    try:
-        expect = store(a, keys, seed=2)
-    finally:
-        a.shutdown()
+    expect = stored_by_a_first_manager(tier, keys, seed=2)
     b = manager(tier)
     try:
         assert same(load(b, keys), expect)
@@ -269,11 +274,7 @@ def test_chunks_already_stored_are_not_written_again(tmp_path):
 @pytest.mark.parametrize("what", ["model", "dtype", "tp", "salt", "group"])
 def test_namespace_keeps_deployments_apart(tmp_path, what):
     keys = keys_of(range(3))
-    a = manager(file_tier(tmp_path))
-    try:
-        store(a, keys, seed=6)
-    finally:
-        a.shutdown()
+    stored_by_a_first_manager(file_tier(tmp_path), keys, seed=6)
     kw = {"model": {"model": "other"}, "dtype": {"dtype": "float8_e4m3fn"}, "tp": {"tp": 2}}.get(what, {})
     tier = file_tier(tmp_path, **({"hicache_namespace": "tenant-b"} if what == "salt" else {}))
     probe = keys_of(range(3), group=1) if what == "group" else keys
@@ -287,11 +288,7 @@ def test_namespace_keeps_deployments_apart(tmp_path, what):
 
 def test_parallelism_agnostic_rows_are_shared_across_tp_sizes(tmp_path):
     keys = keys_of(range(3))
-    a = manager(file_tier(tmp_path), tp=2, agnostic=True)
-    try:
-        expect = store(a, keys, seed=7)
-    finally:
-        a.shutdown()
+    expect = stored_by_a_first_manager(file_tier(tmp_path), keys, seed=7, tp=2, agnostic=True)
     b = manager(file_tier(tmp_path), tp=4, agnostic=True)
     try:
         assert same(load(b, keys), expect)
@@ -373,11 +370,7 @@ def test_a_failed_promotion_turns_the_tiers_lookup_into_a_miss(tmp_path):
     """vLLM's livelock guard (mark_miss): after a failed load the manager's lookup misses, so the request
     recomputes the chunk instead of promoting it again and again."""
     keys = keys_of(range(2))
-    a = manager(file_tier(tmp_path))
-    try:
-        store(a, keys, seed=8)
-    finally:
-        a.shutdown()
+    stored_by_a_first_manager(file_tier(tmp_path), keys, seed=8)
     b = manager(file_tier(tmp_path))
     tier = b.secondary_tiers[0]
     tier.backend = Faulty(tier.backend, bad_reads={tier.object_key(keys[1])}).attach(tier.objects)

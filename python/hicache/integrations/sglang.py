@@ -58,13 +58,11 @@ import torch
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
-except ModuleNotFoundError as exc:  # name the client, so a check of installed modules can tell it apart
-    if exc.name is None or exc.name.split(".")[0] != "sglang":
-        raise
-    raise ModuleNotFoundError(
-        "hicache.integrations.sglang needs SGLang (tested with sglang==0.5.23): it runs inside SGLang's server",
-        name="sglang",
-    ) from exc
+except ModuleNotFoundError as exc:
+    from hicache.integrations._clients import raise_client_missing
+
+    raise_client_missing(exc, "sglang", "SGLang (tested with sglang==0.5.23): it runs inside SGLang's server",
+                         "hicache.integrations.sglang")  # fmt: skip
 
 from hicache.storage import StorageBackend, create_backend
 

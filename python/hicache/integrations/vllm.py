@@ -72,13 +72,11 @@ try:
     from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-except ModuleNotFoundError as exc:  # name the client, so a check of installed modules can tell it apart
-    if exc.name is None or exc.name.split(".")[0] != "vllm":
-        raise
-    raise ModuleNotFoundError(
-        "hicache.integrations.vllm needs vLLM (tested with vllm==0.34.0): it runs inside vLLM's scheduler",
-        name="vllm",
-    ) from exc
+except ModuleNotFoundError as exc:
+    from hicache.integrations._clients import raise_client_missing
+
+    raise_client_missing(exc, "vllm", "vLLM (tested with vllm==0.34.0): it runs inside vLLM's scheduler",
+                         "hicache.integrations.vllm")  # fmt: skip
 
 from hicache.storage import StorageBackend, create_backend
 from hicache_kernels.backends import get_backend
