@@ -473,6 +473,18 @@ def test_shutdown_lets_vllm_unmap_its_region_and_later_jobs_fail(tmp_path):
     tier.shutdown()  # idempotent
     tier.submit_load(job(5, keys_of(range(1)), [0], promotion=True))
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs() if r.job_id == 5] == [(5, False)]
+    assert tier.lookup(keys_of(range(1))[0], ReqContext("late")) is LookupResult.MISS  # not RETRY forever
+
+
+def test_a_spec_the_namespace_cannot_read_fails_before_a_backend_is_built(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr("hicache.integrations.vllm.create_backend", lambda *a: built.append(a))
+    spec = TieringOffloadingSpec(offloading_config({}))
+    spec.config = None  # vLLM's own tests pass a MagicMock spec; this tier needs the real config
+    with pytest.raises(AttributeError):
+        HiCacheSecondaryTier(spec, memoryview(np.zeros((2, BLOCK_BYTES), dtype=np.uint8)), "hicache",
+                             hicache_backend_config={"path": str(tmp_path)})  # fmt: skip
+    assert built == []
 
 
 @pytest.mark.parametrize(

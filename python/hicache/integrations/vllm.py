@@ -226,6 +226,8 @@ class HiCacheSecondaryTier(SecondaryTierManager):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads: expected an integer >= 1, got {io_threads!r}")
         self.locality = Locality(locality) if locality is not None else None
+        # The namespace first: a spec it cannot read fails before a backend (threads, connections) exists.
+        self._prefix = _digest(namespace_fields(offloading_spec, objects.page_bytes, hicache_namespace))
         if backend is None:
             if not isinstance(hicache_backend, str):
                 raise TypeError(f"hicache_backend: expected a backend name or 'module:Class', got {hicache_backend!r}")
@@ -240,7 +242,6 @@ class HiCacheSecondaryTier(SecondaryTierManager):
             self._backend_name = type(backend).__name__
         self.backend = backend
         self.objects = objects
-        self._prefix = _digest(namespace_fields(offloading_spec, objects.page_bytes, hicache_namespace))
         try:
             backend.attach(objects)
         except Exception:
@@ -285,6 +286,8 @@ class HiCacheSecondaryTier(SecondaryTierManager):
 
     # -- the scheduler's calls ----------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._closed:  # the probe thread is gone: a RETRY would never resolve
+            return LookupResult.MISS
         found = self._lookups.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
