@@ -91,6 +91,11 @@ class Side:
         return self.base + kv * self.s_kv + layer * self.s_layer + rest
 
 
+#: ``num_slots`` of a table side built from raw addresses (sgl-kernel's pointer tables, copy_ranges'
+#: pointer lists): no pool size is known, so no index is bounded by one.
+NO_BOUND = 1 << 62
+
+
 @dataclass(frozen=True, eq=False)
 class Route:
     """What a copy moves, without the slots. ``direction`` is ``"d2h"`` (device pool to host pool, a
@@ -127,6 +132,18 @@ class Route:
         e.g. host aliases). Every byte address and size the copy touches is a multiple of it; the
         kernels pick their copy width from it (16-byte vectors when it is a multiple of 16)."""
         return math.gcd(self.src.alignment, self.dst.alignment, self.chunk_bytes, *addresses)
+
+
+def cpu_pointer_tables_reason(route: Route, backend_name: str, what: str) -> str | None:
+    """Why ``backend_name`` cannot run ``route`` on the CPU, or None: a table side of raw addresses
+    (``num_slots == NO_BOUND``; ``what`` names the arguments they came from) on a CPU route runs only on
+    the triton backend; the others copy CPU memory through views of the transfer's tensors, and such a
+    table names none."""
+    if NO_BOUND not in (route.src.num_slots, route.dst.num_slots) or backend_name == "triton" or route.on_cuda:
+        return None
+    return (f"io-backend {backend_name!r}: pointer tables ({what}) on the CPU run only on the triton backend "
+            "(use_backend('triton')); the others copy CPU memory through views of the transfer's tensors, "
+            "and a pointer table names none")  # fmt: skip
 
 
 @dataclass(eq=False)

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._ext import BackendUnavailableError
 from .backends import get_backend
 from .backends.base import IOBackend
-from .plan import Route, Side, TransferPlan
+from .plan import NO_BOUND, Route, Side, TransferPlan, cpu_pointer_tables_reason
 
 __all__ = ["copy_ranges"]
 
-_NO_BOUND = 1 << 62  # a pointer table carries no pool size (the one index used is 0)
 _ZERO = torch.zeros(1, dtype=torch.int64)
 
 
@@ -38,7 +38,7 @@ def _ptr_array(t: Any, name: str, n: int | None) -> np.ndarray:
 
 def _table(addresses: np.ndarray, is_host: bool) -> Side:
     return Side(is_table=True, base=0, table=tuple(addresses.tolist()), num_layers=len(addresses), s_kv=0,
-                s_layer=0, s_page=0, s_in_page=0, s_chunk=0, page_size=1, num_slots=_NO_BOUND,
+                s_layer=0, s_page=0, s_in_page=0, s_chunk=0, page_size=1, num_slots=NO_BOUND,
                 is_host=is_host)  # fmt: skip
 
 
@@ -114,4 +114,7 @@ def copy_ranges(
                       dst=_table(dst[pick], direction == "d2h"), layer_begin=0, layer_count=int(pick.size),
                       num_kv=1, num_chunks=1, chunk_bytes=int(nbytes), item_bytes=int(nbytes), page_size=1,
                       device=device, gpu_addressable=True)  # fmt: skip
+        why = cpu_pointer_tables_reason(route, io.name, "src_ptrs and dst_ptrs")
+        if why:
+            raise BackendUnavailableError(why)
         io.run(TransferPlan(route, _ZERO, _ZERO, stream, (token,), (token,)))

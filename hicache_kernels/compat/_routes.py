@@ -15,9 +15,8 @@ from .._ext import BackendUnavailableError
 from .._validate import Span, check_disjoint, check_memory, int_arg, tensor_span
 from ..backends import IOBackend
 from ..identity_cache import IdentityCache, arg_key
-from ..plan import Route, Side, TransferPlan
+from ..plan import NO_BOUND, Route, Side, TransferPlan, cpu_pointer_tables_reason
 
-_NO_BOUND = 1 << 62  # pointer tables carry no pool sizes
 # Each function's route (sides, geometry, device), built by its first call with given tensors and sizes
 # and found again by their identity (pointer tables also by their contents, which are the route: see
 # identity_cache._Same). Holds no tensor; an entry goes when one of its tensors dies.
@@ -139,7 +138,7 @@ def pointer_tables(tables: list[torch.Tensor], names: list[str], num_layers: int
     """Pointer tables (the ``*_layers`` arguments): their addresses are used as given, as sgl-kernel does."""
     check_sizes(item_size)
     bases = [list(table_values(t, n, num_layers)) for t, n in zip(tables, names, strict=True)]
-    return table_side(bases, item_size, _NO_BOUND, is_host=False, s_chunk=head_bytes)
+    return table_side(bases, item_size, NO_BOUND, is_host=False, s_chunk=head_bytes)
 
 
 def layer_arg(layer_id: Any, num_layers: int, count: int = 1) -> int:
@@ -249,12 +248,9 @@ def run_route(
     # The kernels read indices at stride 1 (data_ptr): strided views are copied contiguous (CUDA ones on
     # the current stream, where the caller made them).
     src_indices, dst_indices = (t if t.is_contiguous() else t.contiguous() for t in (src_indices, dst_indices))
-    if _NO_BOUND in (route.src.num_slots, route.dst.num_slots) and backend.name != "triton" and not route.on_cuda:
-        raise BackendUnavailableError(
-            f"io-backend {backend.name!r}: pointer tables (the *_layers arguments) on the CPU run only on "
-            "the triton backend (use_backend('triton')); the others copy CPU memory through views of the "
-            "transfer's tensors, and a pointer table names none"
-        )
+    why = cpu_pointer_tables_reason(route, backend.name, "the *_layers arguments")
+    if why:
+        raise BackendUnavailableError(why)
     backend.run(TransferPlan(route, src_indices, dst_indices, None, src_tensors, dst_tensors))
 
 

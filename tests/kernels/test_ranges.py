@@ -90,7 +90,7 @@ def test_one_plan_per_distinct_size_with_the_ranges_as_table_entries():
     src, dst = arena(20000, 4), torch.zeros(20000, dtype=torch.uint8)
     sp, dp, sz, _, _ = ranges(SIZES, src, dst, seed=5)
     rec = Recorder()
-    copy_ranges(sp, dp, sz, direction="h2d", device="cpu", backend=rec)
+    copy_ranges(sp, dp, sz, direction="h2d", device="cuda:0", backend=rec)  # planned only: the recorder copies nothing
     by_size = {p.route.chunk_bytes: p for p in rec.plans}
     assert sorted(by_size) == [8, 24, 64, 4096]
     for nbytes, plan in by_size.items():
@@ -121,6 +121,16 @@ def test_bad_arguments_name_themselves_and_copy_nothing(kw, exc, name):
             "sizes": torch.tensor([8]), "direction": "d2h", "device": "cpu", "backend": "triton", **kw}  # fmt: skip
     with pytest.raises(exc, match=name):
         copy_ranges(**args)
+    assert (dst == POISON).all()
+
+
+@pytest.mark.parametrize("backend", ["auto", "direct", "batch", "kernel", "staged"])
+def test_on_the_cpu_only_triton_reaches_raw_addresses_and_the_others_say_so(backend):
+    """The compat layer's rule for pointer tables on the CPU (one check in hicache_kernels.plan)."""
+    src, dst = arena(64, 10), torch.full((64,), POISON, dtype=torch.uint8)
+    with pytest.raises(hicache_kernels.BackendUnavailableError, match=rf"'{backend}': pointer tables \(src_ptrs"):
+        copy_ranges(torch.tensor([src.data_ptr()]), torch.tensor([dst.data_ptr()]), torch.tensor([16]),
+                    direction="d2h", device="cpu", backend=backend)  # fmt: skip
     assert (dst == POISON).all()
 
 

@@ -46,7 +46,6 @@ this adapter cannot serve, naming the setting.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -64,6 +63,7 @@ except ModuleNotFoundError as exc:
     raise_client_missing(exc, "sglang", "SGLang (tested with sglang==0.5.23): it runs inside SGLang's server",
                          "hicache.integrations.sglang")  # fmt: skip
 
+from hicache.integrations._clients import fields_digest
 from hicache.storage import StorageBackend, create_backend
 
 __all__ = ["HiCacheKernelsStorage", "SGLangPageObjects"]
@@ -125,10 +125,6 @@ class SGLangPageObjects:
         for first, g in zip(firsts.tolist(), (ids % self.groups).tolist(), strict=True):
             out.append(by_page[first][g * k : (g + 1) * k])
         return out
-
-
-def _digest(fields: dict[str, Any]) -> bytes:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
 class HiCacheKernelsStorage(HiCacheStorage):
@@ -230,7 +226,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
                 fields["heads"] = [cfg.tp_rank * heads, heads]  # this rank's shard: never another rank's
         self.objects = SGLangPageObjects(host, groups)
         fields["object"] = [self.objects.ranges_per_object, self.objects.page_bytes]
-        self._prefix = _digest(fields)
+        self._prefix = fields_digest(fields)
         self.backend.attach(self.objects)
 
     def _keys(self, keys: Sequence[str]) -> list[str]:

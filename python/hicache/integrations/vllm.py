@@ -44,7 +44,6 @@ vLLM's scheduler. A job's result is posted only when the backend is done with th
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -78,6 +77,7 @@ except ModuleNotFoundError as exc:
     raise_client_missing(exc, "vllm", "vLLM (tested with vllm==0.34.0): it runs inside vLLM's scheduler",
                          "hicache.integrations.vllm")  # fmt: skip
 
+from hicache.integrations._clients import fields_digest
 from hicache.storage import StorageBackend, create_backend
 from hicache_kernels.backends import get_backend
 from hicache_kernels.ranges import copy_ranges
@@ -127,10 +127,6 @@ class VLLMChunkObjects:
     def release(self) -> None:
         """Drop the reference to the region, so vLLM can unmap it at shutdown (idempotent)."""
         self.buffer = torch.empty(0, dtype=torch.uint8)
-
-
-def _digest(fields: dict[str, Any]) -> bytes:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
 def namespace_fields(offloading_spec: Any, row_bytes: int, salt: str | None) -> dict[str, Any]:
@@ -227,7 +223,7 @@ class HiCacheSecondaryTier(SecondaryTierManager):
             raise ValueError(f"io_threads: expected an integer >= 1, got {io_threads!r}")
         self.locality = Locality(locality) if locality is not None else None
         # The namespace first: a spec it cannot read fails before a backend (threads, connections) exists.
-        self._prefix = _digest(namespace_fields(offloading_spec, objects.page_bytes, hicache_namespace))
+        self._prefix = fields_digest(namespace_fields(offloading_spec, objects.page_bytes, hicache_namespace))
         if backend is None:
             if not isinstance(hicache_backend, str):
                 raise TypeError(f"hicache_backend: expected a backend name or 'module:Class', got {hicache_backend!r}")
