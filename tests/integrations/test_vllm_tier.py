@@ -126,22 +126,33 @@ def settle(mgr: TieringOffloadingManager) -> None:
     mgr.on_schedule_end(END)
 
 
-def load(mgr: TieringOffloadingManager, keys: list, req: str = "r", steps: int = 50) -> dict | list:
+HANG_S = 60.0  # lookups that have not settled by then never will (a hang guard, not a speed bound)
+
+
+def steps(mgr: TieringOffloadingManager):
+    """Scheduler steps until HANG_S has passed: yields, then lets the tier finish its jobs and ends the
+    step (promotions submitted, lookups flushed to the probe thread)."""
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        yield
+        settle(mgr)
+        time.sleep(0.005)
+
+
+def load(mgr: TieringOffloadingManager, keys: list, req: str = "r") -> dict | list:
     """vLLM's load path: lookups step by step until every key is a primary HIT (promotions from the
     tier in between), then prepare_load: key -> the row's bytes. Returns the last lookups on a miss."""
     ctx = ReqContext(req)
     mgr.on_new_request(ctx)
     region = rows(mgr)
     region[:] = np.random.default_rng(99).integers(0, 256, region.shape, dtype=np.uint8)  # poison
-    for _ in range(steps):
+    for _ in steps(mgr):
         res = [mgr.lookup(k, ctx) for k in keys]
         if all(r is LookupResult.HIT for r in res):
             break
         if any(r is LookupResult.MISS for r in res):
             mgr.on_request_finished(ctx)
             return res
-        settle(mgr)
-        time.sleep(0.005)
     else:
         pytest.fail(f"lookups never settled: {res}")
     spec = mgr.prepare_load(keys, ctx)
@@ -378,14 +389,12 @@ def test_a_failed_promotion_turns_the_tiers_lookup_into_a_miss(tmp_path):
         ctx = ReqContext("r")
         b.on_new_request(ctx)
         seen = []
-        for _ in range(20):
+        for _ in steps(b):
             res = [b.lookup(k, ctx) for k in keys]
             seen.append(res)
             if res[1] is LookupResult.MISS:
                 break
-            settle(b)
-            time.sleep(0.005)
-        assert res == [LookupResult.HIT, LookupResult.MISS], seen
+        assert res == [LookupResult.HIT, LookupResult.MISS], seen[-5:]
         b.on_request_finished(ctx)
     finally:
         b.shutdown()
