@@ -6,7 +6,11 @@
 #           -> host overhead per call (bench --host-overhead; CPU-side, seconds)
 #           -> the data-path designs side by side (register kernel, bulk-staging kernel, staged copy
 #              engines, direct, batch at page 16, SM budgets 1-8: bench_designs.json), if time is left
-#   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> compute-sanitizer
+#   stage 2 (while the budget lasts): every gpu test (per-test time limit) -> the clients' own transfer
+#           tests over the SGLang kernel switch (sgl-kernel's test_kvcacheio.py, SGLang's
+#           test_hicache_direct_loadback.py: benchmarks/client_tests.json; they are not committed here, so
+#           put them in .client-tests/ first with scripts/fetch_client_tests.py and carry that folder; the
+#           step is listed as skipped when they are absent) -> compute-sanitizer
 #           memcheck on the smoke set -> pcie --quick -> host pool set-up (16 GiB pinned: populate and
 #           cudaHostRegister seconds by thread count) -> bench --quick (interference, overlap, auto)
 #           -> the serving benchmark on the GPU (hicache.bench.serving: TTFT per mode, 8B-like layers):
@@ -54,7 +58,7 @@ done
 OUT=${1:?usage: bash benchmarks/gpu_check.sh [--dry-run] [--stage 1|2|all] [--budget SECONDS] OUT_DIR}
 case $STAGE in 1 | 2 | all) ;; *) echo "gpu_check.sh: --stage must be 1, 2 or all, got $STAGE" >&2; exit 2 ;; esac
 case $BUDGET in '' | *[!0-9]*) echo "gpu_check.sh: --budget must be whole seconds, got $BUDGET" >&2; exit 2 ;; esac
-ALL_STEPS=",build,info,gpu-smoke,bench-core,targets,host-overhead,bench-designs,gpu-tests,sanitizer,pcie-quick,\
+ALL_STEPS=",build,info,gpu-smoke,bench-core,targets,host-overhead,bench-designs,gpu-tests,client-tests,sanitizer,pcie-quick,\
 host-setup,bench-quick,serving-args,bench-serving,serving-longqa,"
 for s in ${ONLY//,/ }; do
   [[ $ALL_STEPS == *",$s,"* ]] || { echo "gpu_check.sh: --only: no step named $s (steps:${ALL_STEPS//,/ })" >&2; exit 2; }
@@ -148,6 +152,16 @@ if [ "$STAGE" != 1 ]; then
     step build 180 $PY -m pip install --no-build-isolation --no-deps -e .  # a fresh machine: stage 1 built elsewhere
   fi
   step gpu-tests 240 "${PYTEST[@]}" -rf -m gpu --maxfail=30 --timeout=60 tests
+  # sgl-kernel's and SGLang's own tests, their transfers bound to hicache_kernels.compat by the switch and
+  # the plugin (which also lifts sgl-kernel's CUDA 13 skip); the log records each file's SHA-256
+  CLIENT_DIR=${HICACHE_CLIENT_TESTS:-.client-tests}
+  if ls "$CLIENT_DIR"/test_*.py >/dev/null 2>&1; then
+    step client-tests 150 sh -c "$PY scripts/fetch_client_tests.py --check --dir '$CLIENT_DIR';
+      HICACHE_SGL_KERNEL=1 ${PYTEST[*]} -rfs -p hicache_kernels.compat.pytest_plugin --timeout=120 '$CLIENT_DIR'"
+  else
+    STEPS+=("$(printf '%-16s %-22s' client-tests "SKIPPED (none in $CLIENT_DIR)")")
+    echo "=== client-tests: no test files in $CLIENT_DIR (python scripts/fetch_client_tests.py)" | tee -a "$LOG"
+  fi
   if [ $DRY = 1 ]; then
     if command -v compute-sanitizer >/dev/null 2>&1; then SAN=found; else SAN="not found here"; fi
     step sanitizer 60 sh -c "echo 'compute-sanitizer: $SAN (dry run: the test selection is collected)' &&

@@ -368,6 +368,24 @@ MUTANTS = [
         'dst=_table(dst[pick[::-1]], direction == "d2h")',
         ("tests/kernels/test_ranges.py",),
     ),
+    Mutant(
+        "compat-errors-not-runtime",
+        "the compat functions' argument errors are plain ValueError/TypeError: code written against "
+        "sgl-kernel (its TORCH_CHECK raises RuntimeError; sgl-kernel's own tests match on it) misses them (33 #6)",
+        "hicache_kernels/compat/sgl_kernel.py",
+        "    globals()[_name] = _torch_check_errors(globals()[_name])",
+        "    globals()[_name] = globals()[_name]",
+        ("tests/kernels/test_compat_sgl_kernel.py",),
+    ),
+    Mutant(
+        "client-plugin-keeps-cuda13-skip",
+        "the upstream-test plugin no longer removes sgl-kernel's CUDA 13 skip: test_kvcacheio.py skips "
+        "itself whole on the GPU image and the client-tests step proves nothing (33 #6)",
+        "hicache_kernels/compat/pytest_plugin.py",
+        'CUDA13_SKIP = "segfaults on CUDA 13"',
+        'CUDA13_SKIP = "segfaults on CUDA 14"',
+        ("tests/kernels/test_compat_pytest_plugin.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

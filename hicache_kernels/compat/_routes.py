@@ -260,7 +260,8 @@ def check_indices(src_indices: Any, dst_indices: Any, whole_pages: int | None) -
             raise TypeError(f"{name}: expected a 1-D torch.int64 tensor, got {getattr(t, 'dtype', type(t))}")
     if src_indices.numel() != dst_indices.numel():
         raise ValueError(
-            f"dst_indices: expected {src_indices.numel()} indices like src_indices, got {dst_indices.numel()}"
+            f"dst_indices: expected {src_indices.numel()} indices like src_indices (the two must have the same "
+            f"length), got {dst_indices.numel()}"
         )
     if whole_pages is not None and src_indices.numel() % whole_pages:
         raise ValueError(

@@ -24,6 +24,10 @@ Differences, all in the direction of safety:
   are not (that would synchronise the host with the stream on every call): its in-place version
   stands for them, which torch's in-place ops bump but a kernel or a DLPack alias writing the table
   does not; after such a rewrite call ``torch.autograd.graph.increment_version(table)``.
+- A bad argument raises :class:`ArgumentError` (a ``ValueError``) or :class:`ArgumentTypeError` (a
+  ``TypeError``) naming it, before anything is written. Both are ``RuntimeError`` too, which is what
+  sgl-kernel's ``TORCH_CHECK`` raises, so code written against sgl-kernel
+  (``pytest.raises(RuntimeError, match="same length")``) catches them unchanged.
 - ``transfer_kv_all_layer_direct_lf_pf`` / ``transfer_kv_per_layer_direct_pf_lf`` (``page_first_direct``
   host buffers ``[P, L, page, H, D]`` per K/V) move each index pair's token slot, so whole-page index
   groups (what sgl-kernel requires: it reads only the first index of each page) give sgl-kernel's
@@ -43,7 +47,9 @@ there, before touching memory.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -61,6 +67,37 @@ from ._routes import (
     pointer_tables,
     run_route,
 )
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument to a compat function: a ``ValueError`` naming it, and a ``RuntimeError`` as
+    sgl-kernel's ``TORCH_CHECK`` failures are."""
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """An argument of the wrong type to a compat function: a ``TypeError`` naming it, and a
+    ``RuntimeError`` as sgl-kernel's ``TORCH_CHECK`` failures are."""
+
+
+def _torch_check_errors(fn: _F) -> _F:
+    """Re-raise ``fn``'s ValueError / TypeError (which are raised before anything is written) as
+    :class:`ArgumentError` / :class:`ArgumentTypeError`, message unchanged."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError:
+            raise
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+        except TypeError as e:
+            raise ArgumentTypeError(str(e)) from e
+
+    return wrapper  # type: ignore[return-value]
+
 
 _backend_name = "kernel"
 _kernel_backends: dict[tuple[int, int], KernelBackend] = {}
@@ -417,7 +454,28 @@ def transfer_kv_all_layer_mla_lf_pf(
     run_route(route, (src_layers,), (dst,), src_indices, dst_indices, backend)
 
 
+for _name in (
+    "transfer_kv_all_layer",
+    "transfer_kv_all_layer_direct_lf_pf",
+    "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
+    "transfer_kv_all_layer_mla",
+    "transfer_kv_all_layer_mla_lf_pf",
+    "transfer_kv_direct",
+    "transfer_kv_per_layer",
+    "transfer_kv_per_layer_direct_pf_lf",
+    "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf",
+    "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
+    "use_backend",
+):
+    globals()[_name] = _torch_check_errors(globals()[_name])
+del _name
+
 __all__: list[Any] = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "transfer_kv_all_layer",
     "transfer_kv_all_layer_direct_lf_pf",
     "transfer_kv_all_layer_lf_pf",

@@ -7,7 +7,8 @@ by default: without the variable the ``.pth`` line imports nothing.
 
 :func:`install` puts an import hook first on ``sys.meta_path``. When SGLang imports one of its host-pool
 modules (:data:`TARGETS`: ``memory_pool_host``, ``pool_host.mha``, ``pool_host.mla``,
-``pool_host.mamba``, ``pool_host.unified``), the hook runs the module as usual and then:
+``pool_host.mamba``, ``pool_host.unified``; and sgl-kernel's ``sgl_kernel.kvcacheio`` where it is
+installed), the hook runs the module as usual and then:
 
 - binds every ``sgl_kernel.kvcacheio`` transfer function the module calls (:data:`KVCACHEIO`) to
   :mod:`hicache_kernels.compat.sgl_kernel`'s function of the same name, whether or not the module
@@ -52,8 +53,11 @@ PTH_LINE = (
     'import os; os.environ.get("HICACHE_SGL_KERNEL", "0") != "0" and '
     '__import__("hicache_kernels.compat.sglang_switch", fromlist=["install_from_env"]).install_from_env()\n'
 )
-#: SGLang 0.5.23's modules that call ``sgl_kernel.kvcacheio`` transfers.
+#: SGLang 0.5.23's modules that call ``sgl_kernel.kvcacheio`` transfers, and ``sgl_kernel.kvcacheio``
+#: itself (where sgl-kernel is installed), so that whatever imports a transfer from it after the switch
+#: is on (SGLang's other modules, sgl-kernel's own tests) gets this package's.
 TARGETS = (
+    "sgl_kernel.kvcacheio",
     "sglang.srt.mem_cache.memory_pool_host",
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.pool_host.mla",

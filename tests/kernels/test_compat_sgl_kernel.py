@@ -217,9 +217,17 @@ def test_out_of_range_index_is_skipped_with_tensors():
 def test_bad_arguments(call, exc, fragment):
     (k, dk), (v, dv) = device_layers(seed=1)[:2], device_layers(seed=2)[:2]
     before = [t.clone() for t in (dk, dv)]
-    with pytest.raises(exc, match=fragment):
+    with pytest.raises(exc, match=fragment) as info:
         call(k, v, dk, dv, torch.arange(3))
+    # sgl-kernel's TORCH_CHECK raises RuntimeError: code written against it catches ours too
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, (sk.ArgumentError, sk.ArgumentTypeError))
     assert same_bytes(dk, before[0]) and same_bytes(dv, before[1])
+
+
+def test_index_length_mismatch_reads_like_sgl_kernels_check():
+    (k, dk), (v, dv) = device_layers(seed=1)[:2], device_layers(seed=2)[:2]
+    with pytest.raises(RuntimeError, match="same length"):
+        sk.transfer_kv_per_layer(k, dk, v, dv, torch.arange(3), torch.arange(2), ITEM)
 
 
 def page_idx(seed, pages=2):
@@ -357,8 +365,9 @@ def test_direct_functions_refuse_bad_arguments(call, exc, pattern):
     host = host_pool("page_first_direct")
     d_idx, h_idx = page_idx(seed=3)
     before = [t.clone() for t in (*k, *v, host)]
-    with pytest.raises(exc, match=pattern):
+    with pytest.raises(exc, match=pattern) as info:
         call(k, v, host, d_idx, h_idx)
+    assert isinstance(info.value, RuntimeError), "sgl-kernel's TORCH_CHECK raises RuntimeError"
     assert all(same_bytes(a, b) for a, b in zip((*k, *v, host), before, strict=True)), "a rejected call wrote"
 
 
