@@ -389,6 +389,27 @@ MUTANTS = [
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(
+        "sglang-dcp-ranks-share-keys",
+        "the namespace leaves the DCP rank out: two DCP ranks' shards of a page go under one key (33 #1, DCP)",
+        "python/hicache/integrations/sglang.py",
+        '            fields["dcp"] = [int(cfg.dcp_rank), dcp_size]',
+        '            fields["dcp"] = [0, dcp_size]',
+        (_SGLANG_TESTS,),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
+        "sglang-dcp-physical-page-step",
+        "object ids step through the host pool's logical (DCP) slots by the physical page: a DCP page is "
+        "split into two objects, misread (33 #1, DCP)",
+        "python/hicache/integrations/sglang.py",
+        'self.page_size = int(getattr(host_pool, "logical_page_size", host_pool.page_size))',
+        "self.page_size = int(host_pool.page_size)",
+        (_SGLANG_TESTS,),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
         "sglang-namespace-drops-dtype",
         "the adapter's namespace leaves the KV dtype out: another dtype reads the bytes (33 #1, sglang#33268)",
         "python/hicache/integrations/sglang.py",

@@ -22,12 +22,15 @@ def mha_pools(layout: str, heads: int = 2, head_dim: int = 8, dtype: torch.dtype
     return kv, host
 
 
-def mla_pools(layout: str, dtype: torch.dtype = DTYPE):
-    """(device pool, host pool) of an MLA model: a 16 + 8 latent, LAYERS layers."""
+def mla_pools(layout: str, dtype: torch.dtype = DTYPE, dcp_size: int = 1, dcp_rank: int = 0):
+    """(device pool, host pool) of an MLA model: a 16 + 8 latent, LAYERS layers. With decode context
+    parallelism (``dcp_size`` > 1) the host pool gets the widened page, as SGLang's server passes it:
+    its slots are logical, ``PAGE * dcp_size`` a page, and the rank holds PAGE of each."""
     kv = MLATokenToKVPool(256, PAGE, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1)
-    host = MLATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False,
-                                device_capacity_tokens=kv.size, start_layer=kv.start_layer, end_layer=kv.end_layer,
-                                target_layer_num=LAYERS)  # fmt: skip
+    host = MLATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE * dcp_size, layout,
+                                pin_memory=False, device_capacity_tokens=kv.size, start_layer=kv.start_layer,
+                                end_layer=kv.end_layer, target_layer_num=LAYERS, dcp_size=dcp_size,
+                                dcp_rank=dcp_rank)  # fmt: skip
     return kv, host
 
 

@@ -57,12 +57,15 @@ def pages_of(host, slots: torch.Tensor) -> list[torch.Tensor]:
 
 
 def config(*, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, model: str = "m", metrics: bool = False,
-           extra: dict | None = None, tp_lcm_size: int | None = None) -> HiCacheStorageConfig:  # fmt: skip
+           extra: dict | None = None, tp_lcm_size: int | None = None,
+           dcp_size: int = 1) -> HiCacheStorageConfig:  # fmt: skip
+    dcp = {} if dcp_size == 1 else {"dcp_size": dcp_size, "dcp_rank": tp_rank % dcp_size,
+                                    "logical_page_size": PAGE * dcp_size}  # fmt: skip
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
                                 is_page_first_layout=True, model_name=model, tp_lcm_size=tp_lcm_size,
                                 should_split_heads=tp_lcm_size is not None,
-                                extra_config={"interface_v1": 1, **(extra or {})})  # fmt: skip
+                                extra_config={"interface_v1": 1, **(extra or {})}, **dcp)  # fmt: skip
 
 
 def storage(tmp_path, host, **kw) -> HiCacheKernelsStorage:
@@ -187,6 +190,44 @@ def test_mla_only_the_writer_rank_stores_and_every_rank_reads(tmp_path):
     poison(host1, dst)
     assert r1.batch_get_v1(KEYS[:1], dst) == [True]
     assert torch.equal(pages_of(host1, dst)[0], want[0])
+
+
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
+@pytest.mark.parametrize("interface_v1", [1, 0])
+def test_mla_dcp_ranks_keep_their_own_shards(tmp_path, layout, interface_v1):
+    """Decode context parallelism (DCP=2, TP=2): each rank holds its own share of every logical page
+    (SGLang's host pool maps the logical slots), both ranks are writers, and each reads back its own
+    bytes, never the other's, under the same page keys."""
+    hosts = [mla_pools(layout, dcp_size=2, dcp_rank=r)[1] for r in range(2)]
+    ranks = [storage(tmp_path, h, mla=True, tp_rank=r, tp_size=2, dcp_size=2, extra={"interface_v1": interface_v1})
+             for r, h in enumerate(hosts)]  # fmt: skip
+    logical = PAGE * 2
+    wants = []
+    for r, (h, s) in enumerate(zip(hosts, ranks, strict=True)):
+        fill_random(h, 20 + r)
+        assert s.writer and h.logical_page_size == logical
+        src = h.alloc(2 * logical)
+        firsts = src[::logical].tolist()
+        wants.append([h.get_data_page(f, flat=True).contiguous().view(torch.uint8).clone() for f in firsts])
+        if interface_v1:
+            assert s.batch_set_v1(KEYS[:2], src) == [True, True]
+        else:
+            assert s.batch_set(KEYS[:2], [h.get_data_page(f, flat=True) for f in firsts]) is True
+    assert not torch.equal(wants[0][0], wants[1][0])  # the shards differ: a shared key would mix them
+    for r, (h, s) in enumerate(zip(hosts, ranks, strict=True)):
+        dst = h.alloc(2 * logical)
+        for f in dst[::logical].tolist():
+            page = h.get_dummy_flat_data_page()
+            page.view(torch.uint8).fill_(0xA5)
+            h.set_from_flat_data_page(f, page)
+        if interface_v1:
+            assert s.batch_get_v1(KEYS[:2], dst) == [True, True]
+        else:
+            got = s.batch_get(KEYS[:2], [h.get_dummy_flat_data_page() for _ in range(2)])
+            for f, page in zip(dst[::logical].tolist(), got, strict=True):
+                h.set_from_flat_data_page(f, page)
+        have = [h.get_data_page(f, flat=True).contiguous().view(torch.uint8) for f in dst[::logical].tolist()]
+        assert all(torch.equal(a, b) for a, b in zip(have, wants[r], strict=True)), f"rank {r} read other bytes"
 
 
 def _global_heads(total: int, pages: int, seed: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ MANIFEST = json.loads((ROOT / "benchmarks" / "client_tests.json").read_text())
 
 
 def check(folder: Path) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--check", "--dir", str(folder)], capture_output=True, text=True)
+    cmd = [sys.executable, str(SCRIPT), "--check", "--dir", str(folder)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     return proc.returncode, proc.stdout + proc.stderr
 
 

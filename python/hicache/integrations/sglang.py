@@ -35,7 +35,10 @@ counts over the model's heads; the digest then leaves the rank out. A rank of an
 
 MLA. Every rank holds the same latent: only SGLang's storage writer rank
 (``HiCacheStorageConfig.is_storage_writer``) stores; on the other ranks a set stores nothing and
-reports success (the writer stores the same bytes), and every rank reads.
+reports success (the writer stores the same bytes), and every rank reads. Under decode context
+parallelism (DCP) each DCP rank holds its own share of every page: SGLang makes one writer per DCP
+rank, the DCP rank and size are in the digest, and pages are counted in the host pool's logical slots
+(``logical_page_size``).
 
 Faults. A store fault (a missing, torn or corrupt object, a full store, a backend exception) is a
 miss: ``False`` / ``None`` / a shorter prefix, never an exception into SGLang's storage threads. Only
@@ -81,7 +84,9 @@ class SGLangPageObjects:
     """An SGLang host pool seen as this package's storage backends see a host pool: objects of
     ``page_bytes`` bytes, each a list of ``(address, nbytes)`` ranges inside ``buffer``.
 
-    An object id is the first host slot of its page (``host_indices[::page_size]``), times
+    An object id is the first host slot of its page (``host_indices[::page_size]``; with SGLang's
+    decode context parallelism, DCP, the host pool's slots are logical and a page is
+    ``logical_page_size = page_size * dcp_size`` of them, of which this rank holds its share), times
     ``groups`` plus the head group's index on this rank when pages are split into head groups. The
     ranges come from the host pool's own ``get_page_buffer_meta`` (or
     ``get_split_heads_page_buffer_meta``), so they follow SGLang's layout code. Stateless apart from the
@@ -91,7 +96,8 @@ class SGLangPageObjects:
     def __init__(self, host_pool: Any, groups: int = 1) -> None:
         self.host = host_pool
         self.groups = groups
-        self.page_size = int(host_pool.page_size)
+        # the slots of one page in the host pool's index space (logical under DCP)
+        self.page_size = int(getattr(host_pool, "logical_page_size", host_pool.page_size))
         self.buffer = host_pool.kv_buffer
         probe = torch.arange(self.page_size, dtype=torch.int64)
         ranges = self._meta(probe)
@@ -224,6 +230,9 @@ class HiCacheKernelsStorage(HiCacheStorage):
                 self._split = True
             else:
                 fields["heads"] = [cfg.tp_rank * heads, heads]  # this rank's shard: never another rank's
+        dcp_size = int(getattr(cfg, "dcp_size", 1) or 1)
+        if dcp_size > 1:  # each DCP rank holds its own share of every page: never another rank's
+            fields["dcp"] = [int(cfg.dcp_rank), dcp_size]
         self.objects = SGLangPageObjects(host, groups)
         fields["object"] = [self.objects.ranges_per_object, self.objects.page_bytes]
         self._prefix = fields_digest(fields)
