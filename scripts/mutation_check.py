@@ -386,6 +386,23 @@ MUTANTS = [
         'CUDA13_SKIP = "segfaults on CUDA 14"',
         ("tests/kernels/test_compat_pytest_plugin.py",),
     ),
+    Mutant(
+        "switch-leaves-mamba-unbound",
+        "the SGLang switch binds sgl-kernel's transfers but not the Mamba state transfers: a hybrid Mamba "
+        "model's states still go through SGLang's JIT kernel, or nothing on a CPU (33 #2)",
+        "hicache_kernels/compat/sglang_switch.py",
+        "    for name in (*KVCACHEIO, *MAMBA):",
+        "    for name in KVCACHEIO:",
+        ("tests/kernels/test_sglang_switch.py",),
+    ),
+    Mutant(
+        "compat-mamba-load-wrong-layer",
+        "the compat Mamba load reads layer 0 of the host states whatever layer_id says (33 #2)",
+        "hicache_kernels/compat/sgl_kernel.py",
+        "transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim)",
+        "transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, 0, item_size, src_layout_dim)",
+        ("tests/kernels/test_compat_sgl_kernel.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

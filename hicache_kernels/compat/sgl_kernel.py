@@ -53,7 +53,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from .._validate import int_arg
 from ..backends import IOBackend, KernelBackend, get_backend
+from ..launch import device_alias
 from ..plan import Route
 from ._direct import transfer_kv_all_layer_direct_lf_pf, transfer_kv_direct, transfer_kv_per_layer_direct_pf_lf
 from ._routes import (
@@ -454,7 +456,62 @@ def transfer_kv_all_layer_mla_lf_pf(
     run_route(route, (src_layers,), (dst,), src_indices, dst_indices, backend)
 
 
+def get_device_accessible_ptr(tensor: torch.Tensor, device_index: int = 0) -> int:
+    """The address a kernel on GPU ``device_index`` reads ``tensor``'s memory at (SGLang builds its
+    host pools' pointer tables with it): a CUDA tensor's own address; for host memory (pinned, or
+    registered with ``cudaHostRegister``) the device alias the CUDA runtime gives, which equals the host
+    address under UVA. Without a CUDA driver, the host address (what this package's CPU paths read, and
+    what SGLang uses when sgl-kernel lacks this function)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    device_index = int_arg(device_index, "device_index")
+    if device_index < 0:
+        raise ValueError(f"device_index: expected a GPU index >= 0, got {device_index}")
+    if tensor.is_cuda:
+        return int(tensor.data_ptr())
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor: expected CPU or CUDA memory, got a {tensor.device.type} tensor")
+    return device_alias(int(tensor.data_ptr()))
+
+
+def transfer_kv_mamba_pf_lf(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    item_size: int,
+    src_layout_dim: int,
+    num_warps_per_item: int = 32,
+) -> None:
+    """SGLang's Mamba state load (``sglang.kernels.ops.mamba.transfer_mamba``): one layer's state
+    slots from a page-first host buffer ``[slots, L, ...]`` (``src_layout_dim = L * item_size`` bytes
+    between slots) into the device layer ``[slots, ...]``, ``item_size`` bytes a slot. The same bytes
+    as :func:`transfer_kv_per_layer_mla_pf_lf`; ``num_warps_per_item`` is accepted for SGLang's
+    signature (this package sizes its own grid)."""
+    int_arg(num_warps_per_item, "num_warps_per_item")
+    transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim)
+
+
+def transfer_kv_mamba_lf_pf(
+    src_ptrs: torch.Tensor,
+    dst: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    dst_layout_dim: int,
+    num_layers: int,
+    num_warps_per_item: int = 32,
+) -> None:
+    """SGLang's Mamba state backup: every layer's state slots, from the device layers named by the
+    pointer table ``src_ptrs`` (``num_layers`` addresses), into a page-first host buffer
+    ``[slots, L, ...]``. The same bytes as :func:`transfer_kv_all_layer_mla_lf_pf`."""
+    int_arg(num_warps_per_item, "num_warps_per_item")
+    transfer_kv_all_layer_mla_lf_pf(src_ptrs, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers)
+
+
 for _name in (
+    "get_device_accessible_ptr",
     "transfer_kv_all_layer",
     "transfer_kv_all_layer_direct_lf_pf",
     "transfer_kv_all_layer_lf_pf",
@@ -468,6 +525,8 @@ for _name in (
     "transfer_kv_per_layer_mla_pf_lf",
     "transfer_kv_per_layer_pf_lf",
     "transfer_kv_per_layer_ph_lf",
+    "transfer_kv_mamba_lf_pf",
+    "transfer_kv_mamba_pf_lf",
     "use_backend",
 ):
     globals()[_name] = _torch_check_errors(globals()[_name])
@@ -476,6 +535,9 @@ del _name
 __all__: list[Any] = [
     "ArgumentError",
     "ArgumentTypeError",
+    "get_device_accessible_ptr",
+    "transfer_kv_mamba_lf_pf",
+    "transfer_kv_mamba_pf_lf",
     "transfer_kv_all_layer",
     "transfer_kv_all_layer_direct_lf_pf",
     "transfer_kv_all_layer_lf_pf",

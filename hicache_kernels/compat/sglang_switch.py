@@ -7,12 +7,16 @@ by default: without the variable the ``.pth`` line imports nothing.
 
 :func:`install` puts an import hook first on ``sys.meta_path``. When SGLang imports one of its host-pool
 modules (:data:`TARGETS`: ``memory_pool_host``, ``pool_host.mha``, ``pool_host.mla``,
-``pool_host.mamba``, ``pool_host.unified``; and sgl-kernel's ``sgl_kernel.kvcacheio`` where it is
+``pool_host.mamba``, ``pool_host.unified``, ``pool_host.common``; SGLang's Mamba transfer module
+``sglang.kernels.ops.mamba.transfer_mamba``; and sgl-kernel's ``sgl_kernel.kvcacheio`` where it is
 installed), the hook runs the module as usual and then:
 
-- binds every ``sgl_kernel.kvcacheio`` transfer function the module calls (:data:`KVCACHEIO`) to
-  :mod:`hicache_kernels.compat.sgl_kernel`'s function of the same name, whether or not the module
-  imported sgl-kernel's (on a CPU, or without sgl-kernel, SGLang imports none: the pools then have ours);
+- binds every ``sgl_kernel.kvcacheio`` function the module calls (:data:`KVCACHEIO`) and the two Mamba
+  state transfers (:data:`MAMBA`) to :mod:`hicache_kernels.compat.sgl_kernel`'s function of the same
+  name, whether or not the module imported the original (on a CPU, or without sgl-kernel, SGLang imports
+  none: the pools then have ours);
+- makes ``pool_host.common`` build SGLang's pointer tables with the compat
+  ``get_device_accessible_ptr`` (:data:`RESOLVER`);
 - turns SGLang's JIT HiCache kernels off (:data:`JIT_PREDICATES` answer False), which the pools would
   otherwise take first for the ``kernel`` io-backend.
 
@@ -36,7 +40,9 @@ __all__ = [
     "ENV",
     "JIT_PREDICATES",
     "KVCACHEIO",
+    "MAMBA",
     "PTH_LINE",
+    "RESOLVER",
     "PTH_NAME",
     "TARGETS",
     "install",
@@ -58,6 +64,8 @@ PTH_LINE = (
 #: is on (SGLang's other modules, sgl-kernel's own tests) gets this package's.
 TARGETS = (
     "sgl_kernel.kvcacheio",
+    "sglang.kernels.ops.mamba.transfer_mamba",
+    "sglang.srt.mem_cache.pool_host.common",
     "sglang.srt.mem_cache.memory_pool_host",
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.pool_host.mla",
@@ -79,7 +87,14 @@ KVCACHEIO = (
     "transfer_kv_direct",
     "transfer_kv_per_layer_direct_pf_lf",
     "transfer_kv_all_layer_direct_lf_pf",
+    "get_device_accessible_ptr",
 )
+#: The Mamba state transfers SGLang 0.5.23's ``pool_host.mamba`` imports from its own JIT module
+#: ``sglang.kernels.ops.mamba.transfer_mamba`` (not from sgl-kernel).
+MAMBA = ("transfer_kv_mamba_lf_pf", "transfer_kv_mamba_pf_lf")
+#: ``pool_host.common``'s resolver of ``get_device_accessible_ptr`` (imported lazily inside it, so the
+#: resolver itself is replaced: SGLang's pointer tables then come from the compat function).
+RESOLVER = "_resolve_device_accessible_ptr_fn"
 #: SGLang's predicates that choose its JIT HiCache kernels.
 JIT_PREDICATES = ("can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel")
 
@@ -92,11 +107,20 @@ def _no_jit(*args: Any, **kwargs: Any) -> bool:
     return False
 
 
+def _compat_resolver() -> Any:
+    """HICACHE_SGL_KERNEL=1: SGLang's pointer tables take their addresses from the compat function."""
+    from .sgl_kernel import get_device_accessible_ptr
+
+    return get_device_accessible_ptr
+
+
 def _patch(module: ModuleType) -> None:
     from . import sgl_kernel as compat
 
-    for name in KVCACHEIO:
+    for name in (*KVCACHEIO, *MAMBA):
         setattr(module, name, getattr(compat, name))
+    if hasattr(module, RESOLVER):
+        setattr(module, RESOLVER, _compat_resolver)
     for name in JIT_PREDICATES:
         if hasattr(module, name):
             setattr(module, name, _no_jit)

@@ -12,15 +12,15 @@ exec(sglang_switch.PTH_LINE)  # what site.py runs for the installed .pth file
 loaded_at_start = "hicache_kernels.compat.sgl_kernel" in sys.modules
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.pool_host import mha, mla  # noqa: E402
-from sglang_pools import LAYERS, PAGE, mha_pools, mla_pools, random_bytes  # noqa: E402
+from sglang.srt.mem_cache.pool_host import mamba, mha, mla  # noqa: E402
+from sglang_pools import LAYERS, PAGE, mamba_pools, mha_pools, mla_pools, random_bytes  # noqa: E402
 
 from hicache_kernels.compat import sgl_kernel as compat  # noqa: E402
 
 compat.use_backend("triton")  # CPU tensors: the Triton interpreter runs the pointer-table transfers
 calls: list[str] = []
-for _name in sglang_switch.KVCACHEIO:  # count what SGLang calls, by name, through the bound functions
-    for _mod in (mha, mla):
+for _name in (*sglang_switch.KVCACHEIO, *sglang_switch.MAMBA):  # count what SGLang calls, by name
+    for _mod in (mha, mla, mamba):
         _fn = getattr(_mod, _name, None)
         if _fn is not None and _fn is getattr(compat, _name):
 
@@ -36,28 +36,36 @@ def pages(*firsts: int) -> torch.Tensor:
 
 
 def run(kind: str, layout: str, io: str) -> dict:
-    kv, host = mha_pools(layout) if kind == "mha" else mla_pools(layout)
-    if kind == "mha":
-        device = [kv.k_buffer[i] for i in range(LAYERS)] + [kv.v_buffer[i] for i in range(LAYERS)]
+    if kind == "mamba":  # one state per request slot (page size 1): states of [LAYERS, slots, ...]
+        device, host = mamba_pools(layout)
+        kv = None
+        host_buffers = [host.temporal_buffer, *host.conv_buffer]
+        host_slots, src, dst = host.alloc(3), torch.tensor([7, 2, 11]), torch.tensor([20, 5, 30])
+        rows = lambda t, idx: t[:, idx]  # noqa: E731 - every layer's slots
     else:
-        device = [kv.kv_buffer[i] for i in range(LAYERS)]
+        kv, host = mha_pools(layout) if kind == "mha" else mla_pools(layout)
+        if kind == "mha":
+            device = [kv.k_buffer[i] for i in range(LAYERS)] + [kv.v_buffer[i] for i in range(LAYERS)]
+        else:
+            device = [kv.kv_buffer[i] for i in range(LAYERS)]
+        host_buffers = [host.kv_buffer]
+        host_slots, src, dst = host.alloc(3 * PAGE), pages(7, 2, 11), pages(20, 5, 30)
+        rows = lambda t, idx: t[idx]  # noqa: E731
     for i, t in enumerate(device):
         random_bytes(t, i)
-    random_bytes(host.kv_buffer, 99)  # host slots hold other bytes before the backup
-    host_slots = host.alloc(3 * PAGE)
-    src = pages(7, 2, 11)
-    want = [t[src].clone().view(torch.uint8) for t in device]
+    for i, t in enumerate(host_buffers):
+        random_bytes(t, 99 + i)  # host slots hold other bytes before the backup
+    want = [rows(t, src).clone().view(torch.uint8) for t in device]
     del calls[:]
     try:
         host.backup_from_device_all_layer(kv, host_slots, src, io)
         for t in device:
             t.view(torch.uint8).fill_(0xA5)  # poison: unwritten rows show
-        dst = pages(20, 5, 30)
         for layer in range(LAYERS):
             host.load_to_device_per_layer(kv, host_slots, dst, layer, io)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    got = [t[dst].clone().view(torch.uint8) for t in device]
+    got = [rows(t, dst).clone().view(torch.uint8) for t in device]
     return {
         "exact": all(torch.equal(a, b) for a, b in zip(got, want, strict=True)),
         "jit": bool(getattr(host, "can_use_jit", False)),
@@ -68,6 +76,7 @@ def run(kind: str, layout: str, io: str) -> dict:
 cases = {
     "mha": ["layer_first", "page_first", "page_first_direct", "page_head"],
     "mla": ["layer_first", "page_first", "page_first_direct"],
+    "mamba": ["page_first", "page_first_direct"],  # the layouts SGLang's MambaPoolHost takes
 }
 out = {
     "status": sglang_switch.status(),

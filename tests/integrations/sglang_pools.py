@@ -4,7 +4,9 @@ integration tests and their child processes. Import it only once SGLang imports 
 from __future__ import annotations
 
 import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
@@ -32,6 +34,17 @@ def mla_pools(layout: str, dtype: torch.dtype = DTYPE, dcp_size: int = 1, dcp_ra
                                 end_layer=kv.end_layer, target_layer_num=LAYERS, dcp_size=dcp_size,
                                 dcp_rank=dcp_rank)  # fmt: skip
     return kv, host
+
+
+def mamba_pools(layout: str, slots: int = 32):
+    """(device states [temporal, conv], host pool) of a model with LAYERS Mamba layers: a float32
+    temporal (SSM) state of 2 x 4 and a bf16 conv state of 3 x 5 per request slot, as SGLang's
+    MambaPoolHost takes them (``MambaStateBufferInfo``: layer and slot axes first)."""
+    temporal = torch.empty(LAYERS, slots, 2, 4, dtype=torch.float32)
+    conv = torch.empty(LAYERS, slots, 3, 5, dtype=torch.bfloat16)
+    info = MambaStateBufferInfo(temporal=temporal, conv=(conv,))
+    host = MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, layout=layout)
+    return [temporal, conv], host
 
 
 def random_bytes(t: torch.Tensor, seed: int) -> None:

@@ -46,7 +46,8 @@ def switched():
 def test_switch_is_on_and_patched_sglangs_pools(switched):
     status = switched["status"]
     assert status["on"] and status["env"] == "1"
-    assert {"sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla"} <= set(status["patched"])
+    pools = {f"sglang.srt.mem_cache.pool_host.{m}" for m in ("mha", "mla", "mamba", "common")}
+    assert pools <= set(status["patched"])
     assert not switched["loaded_at_start"]  # the hook loads the compat functions only with SGLang's modules
 
 
@@ -61,7 +62,10 @@ def test_sglangs_own_backup_and_load_run_our_functions_byte_exact(switched):
         assert res["exact"] and not res["jit"], (case, res)
         assert res["calls"], (case, "no compat function was called")
         ran += 1
-    assert ran == 9
+    for layout in ("page_first", "page_first_direct"):  # the Mamba states moved by the Mamba transfers
+        assert switched["results"][f"mamba {layout} kernel"]["calls"] == ["transfer_kv_mamba_lf_pf",
+                                                                          "transfer_kv_mamba_pf_lf"]  # fmt: skip
+    assert ran == 13  # MHA 5, MLA 4, Mamba 4 (layout x io-backend pairs SGLang accepts)
 
 
 def test_without_the_switch_the_pth_line_imports_nothing_and_sglang_has_no_transfers():
@@ -70,7 +74,7 @@ def test_without_the_switch_the_pth_line_imports_nothing_and_sglang_has_no_trans
     assert not out["status"]["on"] and out["status"]["patched"] == []
     errors = [r.get("error", "") for r in out["results"].values()]
     assert all(e.startswith(("NameError", "ValueError: Unsupported layout")) for e in errors), errors
-    assert sum(e.startswith("NameError") for e in errors) == 9  # the control: nothing to call on a CPU
+    assert sum(e.startswith("NameError") for e in errors) == 13  # the control: nothing to call on a CPU
 
 
 def test_a_value_other_than_0_or_1_is_refused_and_leaves_it_off():

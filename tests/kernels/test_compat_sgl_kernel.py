@@ -590,3 +590,68 @@ def test_strided_indices_are_read_as_their_values(kind):
     assert not s_view.is_contiguous()
     sk.transfer_kv_per_layer(src_k[1], dst_k[1], src_v[1], dst_v[1], s_view, d_view, ITEM)
     assert all(same_bytes(a, b) for a, b in zip(dst_k + dst_v, exp_k + exp_v, strict=True))
+
+
+# -- SGLang's Mamba state transfers (sglang.kernels.ops.mamba.transfer_mamba's signatures) ----------------
+STATE = (3, 5)  # a state slot: 15 float32 (60 bytes: not a multiple of 8)
+
+
+def mamba_pools(seed):
+    """Device states ``[L, N_DEV, *STATE]`` (random) and a page-first host buffer ``[N_HOST, L, 1,
+    *STATE]`` (poisoned), as SGLang's MambaPoolHost lays them out."""
+    dev = torch.empty(L, N_DEV, *STATE, dtype=torch.float32)
+    random_bytes_(dev, gen(seed))
+    host = poison_(torch.empty(N_HOST, L, 1, *STATE, dtype=torch.float32, pin_memory=CUDA))
+    return dev.to(DEV), host
+
+
+@pytest.mark.gpu_smoke  # runs on CUDA pools when a GPU is visible
+def test_mamba_state_backup_then_load_per_layer():
+    dev, host = mamba_pools(seed=11)
+    d_idx, h_idx = idx(seed=12, n=5)
+    item = int(np.prod(STATE)) * 4
+    want_host = host.clone()
+    want_host[h_idx] = dev.cpu()[:, d_idx].movedim(0, 1).unsqueeze(2)
+    sk.transfer_kv_mamba_lf_pf(table(list(dev.unbind(0))), host, d_idx.to(DEV), h_idx.to(DEV), item, L * item, L)
+    assert same_bytes(host, want_host), "backup: the host slots differ from the device states"
+    back = poison_(torch.empty_like(dev))
+    d2 = torch.randperm(N_DEV, generator=gen(13))[:5]
+    for layer in range(L):
+        sk.transfer_kv_mamba_pf_lf(host, back[layer], h_idx.to(DEV), d2.to(DEV), layer, item, L * item)
+    want = poison_(torch.empty_like(dev).cpu())
+    want[:, d2] = dev.cpu()[:, d_idx]
+    assert same_bytes(back.cpu(), want), "load: rows other than the loaded ones were written, or wrong bytes"
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "fragment"),
+    [
+        (lambda dev, host, i: sk.transfer_kv_mamba_pf_lf(host, dev[0], i, i, L, 60, L * 60), ValueError, "layer_id"),
+        (lambda dev, host, i: sk.transfer_kv_mamba_pf_lf(host, dev[0], i, i, 0, 60, 60 * L, 2.5), TypeError, "warps"),
+        (
+            lambda dev, host, i: sk.transfer_kv_mamba_lf_pf(table([dev[0]]), host, i, i[:2], 60, 60 * L, 1),
+            ValueError,
+            "same length",
+        ),  # fmt: skip
+        (lambda dev, host, i: sk.transfer_kv_mamba_lf_pf(dev[0], host, i, i, 60, 60 * L, L), TypeError, "src_layers"),
+    ],
+)
+def test_mamba_transfers_refuse_bad_arguments(call, exc, fragment):
+    dev, host = mamba_pools(seed=14)
+    before = (dev.clone(), host.clone())
+    with pytest.raises(exc, match=fragment) as info:
+        call(dev, host, torch.arange(3, device=DEV))
+    assert isinstance(info.value, RuntimeError)
+    assert same_bytes(dev, before[0]) and same_bytes(host, before[1])
+
+
+def test_get_device_accessible_ptr():
+    t = torch.empty(8, dtype=torch.uint8, device=DEV)
+    got = sk.get_device_accessible_ptr(t, 0)
+    assert got == t.data_ptr()  # a CUDA tensor's own address; without a driver, the host address
+    for bad, exc in ((t.tolist(), TypeError), (t.to("meta"), ValueError)):
+        with pytest.raises(exc, match="tensor") as info:
+            sk.get_device_accessible_ptr(bad, 0)
+        assert isinstance(info.value, RuntimeError)
+    with pytest.raises(ValueError, match="device_index"):
+        sk.get_device_accessible_ptr(t, -1)

@@ -22,6 +22,9 @@ def can_use_write_back_jit_kernel(*args, **kwargs):
     return True
 
 transfer_kv_per_layer = "sgl-kernel's"
+
+def _resolve_device_accessible_ptr_fn():
+    return None  # as SGLang's resolver answers without sgl-kernel's function
 """
 
 
@@ -43,8 +46,10 @@ def test_the_hook_patches_a_target_when_it_loads(fake):
     import fake_sgl_other
     import fake_sgl_pool
 
-    for name in sw.KVCACHEIO:
+    for name in (*sw.KVCACHEIO, *sw.MAMBA):
         assert getattr(fake_sgl_pool, name) is getattr(compat, name), name
+    assert fake_sgl_pool._resolve_device_accessible_ptr_fn() is compat.get_device_accessible_ptr
+    assert fake_sgl_other._resolve_device_accessible_ptr_fn() is None
     assert fake_sgl_pool.can_use_hicache_jit_kernel(1, x=2) is False
     assert fake_sgl_pool.can_use_write_back_jit_kernel() is False
     assert fake_sgl_other.transfer_kv_per_layer == "sgl-kernel's"  # not a target: untouched
