@@ -403,6 +403,15 @@ MUTANTS = [
         "transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, 0, item_size, src_layout_dim)",
         ("tests/kernels/test_compat_sgl_kernel.py",),
     ),
+    Mutant(
+        "compat-embedding-ranges-unchecked",
+        "transfer_embedding_ranges_direct stops checking ranges against the tensors: a range past the end "
+        "is copied from/to whatever memory follows (33 #2)",
+        "hicache_kernels/compat/_direct.py",
+        "        over = np.nonzero(starts + n > t.shape[0])[0]",
+        "        over = np.nonzero(starts + n > 10**9)[0]",
+        ("tests/kernels/test_compat_sgl_kernel.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

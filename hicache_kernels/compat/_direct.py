@@ -9,10 +9,17 @@ slot by slot; the index count must be a multiple of ``page_size``.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+import numpy as np
 import torch
 
-from .._validate import int_arg
+from .._ext import cuda_runtime_status
+from .._validate import check_memory, int_arg
 from ..backends import get_backend
+from ..backends.copy_engine import DirectBackend
+from ..fragments import Fragments, TensorMemory
 from ..plan import Route, Side
 from ._routes import (
     cached_route,
@@ -26,7 +33,12 @@ from ._routes import (
     tensor_list,
 )
 
-__all__ = ["transfer_kv_all_layer_direct_lf_pf", "transfer_kv_direct", "transfer_kv_per_layer_direct_pf_lf"]
+__all__ = [
+    "transfer_embedding_ranges_direct",
+    "transfer_kv_all_layer_direct_lf_pf",
+    "transfer_kv_direct",
+    "transfer_kv_per_layer_direct_pf_lf",
+]
 
 
 def transfer_kv_direct(
@@ -152,3 +164,82 @@ def transfer_kv_per_layer_direct_pf_lf(
     run_route(
         route, tuple(src_ptrs), tuple(dst_ptrs), src_indices, dst_indices, get_backend("direct"), whole_pages=page_size
     )
+
+
+def _row_tensor(t: Any, name: str) -> tuple[torch.Tensor, int]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_memory(t, name)
+    if t.dim() < 1 or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor of rows (dim 0), got shape {tuple(t.shape)} "
+                         f"strides {tuple(t.stride())}")  # fmt: skip
+    return t, (t[0].numel() * t.element_size() if t.shape[0] else 0)
+
+
+def _int_list(v: Any, name: str, n: int | None) -> np.ndarray:
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 1 or v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
+            raise TypeError(f"{name}: expected a 1-D tensor of ints, got {v.dtype} {tuple(v.shape)}")
+        v = v.cpu().numpy()
+    elif isinstance(v, np.ndarray):
+        if v.ndim != 1 or v.dtype.kind not in "iu":
+            raise TypeError(f"{name}: expected a 1-D array of ints, got {v.dtype} {v.shape}")
+    elif isinstance(v, (list, tuple)):
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in v):
+            raise TypeError(f"{name}: expected a list of ints")
+    else:
+        raise TypeError(f"{name}: expected a list, numpy array or tensor of ints, got {type(v).__name__}")
+    out = np.asarray(v, dtype=np.int64).reshape(-1)
+    if n is not None and out.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} entries like src_starts (the same length), got {out.shape[0]}")
+    if (out < 0).any():
+        raise ValueError(f"{name}: expected non-negative row counts, got {int(out.min())}")
+    return out
+
+
+def transfer_embedding_ranges_direct(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_starts: Any,
+    dst_starts: Any,
+    lengths: Any,
+) -> None:
+    """Copy-engine copy of row ranges: for each ``i``,
+    ``dst[dst_starts[i] : dst_starts[i] + lengths[i]] = src[src_starts[i] : src_starts[i] + lengths[i]]``,
+    rows along dim 0 (SGLang's multimodal embedding cache and its MiniMax NVFP4 host pool use it).
+
+    ``src`` and ``dst``: contiguous tensors (CPU or CUDA) with rows of the same byte size; the starts
+    and lengths: lists, numpy arrays or tensors of ints, in rows. Every range is checked against both
+    tensors before anything is copied. Each range is one ``cudaMemcpyAsync`` on the current stream of
+    the CUDA side's device (a torch copy between CPU tensors); zero-length ranges are skipped.
+    """
+    src, src_row = _row_tensor(src, "src")
+    dst, dst_row = _row_tensor(dst, "dst")
+    if src_row != dst_row:
+        raise ValueError(f"dst: rows of {dst_row} bytes differ from src's {src_row}")
+    s0 = _int_list(src_starts, "src_starts", None)
+    d0 = _int_list(dst_starts, "dst_starts", s0.shape[0])
+    n = _int_list(lengths, "lengths", s0.shape[0])
+    for name, starts, t in (("src_starts", s0, src), ("dst_starts", d0, dst)):
+        over = np.nonzero(starts + n > t.shape[0])[0]
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"{name}[{i}]: rows {int(starts[i])}..{int(starts[i] + n[i])} run past the "
+                             f"{t.shape[0]} rows of {name[:3]}")  # fmt: skip
+    gpus = {t.device for t in (src, dst) if t.is_cuda}
+    if len(gpus) > 1:
+        raise ValueError(f"dst: src and dst are on two GPUs ({', '.join(sorted(map(str, gpus)))})")
+    keep = n > 0
+    s0, d0, n = s0[keep], d0[keep], n[keep]
+    if n.size == 0:
+        return
+    width = n * src_row
+    frags = Fragments(dst=dst.data_ptr() + d0 * src_row, dst_pitch=width, src=src.data_ptr() + s0 * src_row,
+                      src_pitch=width, width=width, height=np.ones_like(width))  # fmt: skip
+    if not gpus or not cuda_runtime_status()[0]:
+        with torch.cuda.device(next(iter(gpus))) if gpus else contextlib.nullcontext():
+            TensorMemory((src, dst)).copy(frags)  # torch copies (cudaMemcpyAsync on a CUDA side)
+        return
+    (device,) = gpus
+    with torch.cuda.device(device):
+        DirectBackend.issuer(frags)(torch.cuda.current_stream(device))

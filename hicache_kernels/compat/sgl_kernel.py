@@ -57,7 +57,12 @@ from .._validate import int_arg
 from ..backends import IOBackend, KernelBackend, get_backend
 from ..launch import device_alias
 from ..plan import Route
-from ._direct import transfer_kv_all_layer_direct_lf_pf, transfer_kv_direct, transfer_kv_per_layer_direct_pf_lf
+from ._direct import (
+    transfer_embedding_ranges_direct,
+    transfer_kv_all_layer_direct_lf_pf,
+    transfer_kv_direct,
+    transfer_kv_per_layer_direct_pf_lf,
+)
 from ._routes import (
     cached_route,
     layer_arg,
@@ -512,6 +517,7 @@ def transfer_kv_mamba_lf_pf(
 
 for _name in (
     "get_device_accessible_ptr",
+    "transfer_embedding_ranges_direct",
     "transfer_kv_all_layer",
     "transfer_kv_all_layer_direct_lf_pf",
     "transfer_kv_all_layer_lf_pf",
@@ -536,6 +542,7 @@ __all__: list[Any] = [
     "ArgumentError",
     "ArgumentTypeError",
     "get_device_accessible_ptr",
+    "transfer_embedding_ranges_direct",
     "transfer_kv_mamba_lf_pf",
     "transfer_kv_mamba_pf_lf",
     "transfer_kv_all_layer",

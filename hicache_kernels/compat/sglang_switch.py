@@ -7,7 +7,9 @@ by default: without the variable the ``.pth`` line imports nothing.
 
 :func:`install` puts an import hook first on ``sys.meta_path``. When SGLang imports one of its host-pool
 modules (:data:`TARGETS`: ``memory_pool_host``, ``pool_host.mha``, ``pool_host.mla``,
-``pool_host.mamba``, ``pool_host.unified``, ``pool_host.common``; SGLang's Mamba transfer module
+``pool_host.mamba``, ``pool_host.unified``, ``pool_host.common``, ``pool_host.dsa``,
+``pool_host.minimax_m3_nvfp4``, ``hisparse_memory_pool``, ``embedding_cache_controller``: every SGLang
+0.5.23 module that imports from ``sgl_kernel.kvcacheio``; SGLang's Mamba transfer module
 ``sglang.kernels.ops.mamba.transfer_mamba``; and sgl-kernel's ``sgl_kernel.kvcacheio`` where it is
 installed), the hook runs the module as usual and then:
 
@@ -59,13 +61,17 @@ PTH_LINE = (
     'import os; os.environ.get("HICACHE_SGL_KERNEL", "0") != "0" and '
     '__import__("hicache_kernels.compat.sglang_switch", fromlist=["install_from_env"]).install_from_env()\n'
 )
-#: SGLang 0.5.23's modules that call ``sgl_kernel.kvcacheio`` transfers, and ``sgl_kernel.kvcacheio``
+#: SGLang 0.5.23's modules that import from ``sgl_kernel.kvcacheio``, and ``sgl_kernel.kvcacheio``
 #: itself (where sgl-kernel is installed), so that whatever imports a transfer from it after the switch
 #: is on (SGLang's other modules, sgl-kernel's own tests) gets this package's.
 TARGETS = (
     "sgl_kernel.kvcacheio",
     "sglang.kernels.ops.mamba.transfer_mamba",
     "sglang.srt.mem_cache.pool_host.common",
+    "sglang.srt.mem_cache.pool_host.dsa",
+    "sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4",
+    "sglang.srt.mem_cache.hisparse_memory_pool",
+    "sglang.srt.mem_cache.embedding_cache_controller",
     "sglang.srt.mem_cache.memory_pool_host",
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.pool_host.mla",
@@ -88,6 +94,7 @@ KVCACHEIO = (
     "transfer_kv_per_layer_direct_pf_lf",
     "transfer_kv_all_layer_direct_lf_pf",
     "get_device_accessible_ptr",
+    "transfer_embedding_ranges_direct",
 )
 #: The Mamba state transfers SGLang 0.5.23's ``pool_host.mamba`` imports from its own JIT module
 #: ``sglang.kernels.ops.mamba.transfer_mamba`` (not from sgl-kernel).

@@ -81,3 +81,29 @@ def test_a_value_other_than_0_or_1_is_refused_and_leaves_it_off():
     out, err = run_child("yes")
     assert out is not None and not out["status"]["on"], err
     assert "HICACHE_SGL_KERNEL='yes' is not 0 or 1" in err
+
+
+def test_every_sglang_module_importing_from_kvcacheio_is_switched():
+    """SGLang's own source is the list: each module of SGLang 0.5.23 that imports from
+    ``sgl_kernel.kvcacheio`` is a switch target, and each name it imports has a compat function."""
+    import importlib.util
+    import re
+
+    from hicache_kernels.compat import sgl_kernel as compat
+    from hicache_kernels.compat import sglang_switch
+
+    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    found: dict[str, set[str]] = {}
+    pattern = re.compile(r"from sgl_kernel\.kvcacheio import\s*(?:\(([^)]*)\)|([^\n]*))")
+    for path in root.rglob("*.py"):
+        module = "sglang." + ".".join(path.relative_to(root).with_suffix("").parts)
+        if module == "sglang.srt.mem_cache.pool_host._kvcacheio":
+            continue  # Intel XPU only (sgl-kernel-xpu's wheel); CUDA pools import sgl_kernel.kvcacheio themselves
+        for m in pattern.finditer(path.read_text(errors="replace")):
+            names = {n for n in re.split(r"[,\s]+", m.group(1) or m.group(2)) if n and not n.startswith("#")}
+            found.setdefault(module, set()).update(names)
+    assert len(found) >= 10, sorted(found)  # SGLang 0.5.23 has 10 such modules
+    for module, names in found.items():
+        assert module in sglang_switch.TARGETS, module
+        for name in names:
+            assert name in sglang_switch.KVCACHEIO and callable(getattr(compat, name)), (module, name)

@@ -655,3 +655,54 @@ def test_get_device_accessible_ptr():
         assert isinstance(info.value, RuntimeError)
     with pytest.raises(ValueError, match="device_index"):
         sk.get_device_accessible_ptr(t, -1)
+
+
+# -- transfer_embedding_ranges_direct (SGLang's embedding cache and MiniMax NVFP4 host pool) -------------
+@pytest.mark.gpu_smoke  # runs host -> CUDA and back when a GPU is visible
+@pytest.mark.parametrize("starts", ["list", "numpy", "tensor"])
+def test_embedding_ranges_copy_row_ranges(starts):
+    host = torch.empty(20, 3, 7, dtype=torch.float16, pin_memory=CUDA)
+    random_bytes_(host, gen(21))
+    dev = poison_(torch.empty(16, 3, 7, dtype=torch.float16, device=DEV))
+    src_s, dst_s, n = [0, 12, 5, 19], [9, 0, 4, 15], [3, 4, 0, 1]  # one empty range, one range per end row
+    conv = {"list": list, "numpy": lambda v: np.array(v), "tensor": torch.tensor}[starts]
+    sk.transfer_embedding_ranges_direct(host, dev, conv(src_s), conv(dst_s), conv(n))
+    want = poison_(torch.empty(16, 3, 7, dtype=torch.float16))
+    for a, b, k in zip(src_s, dst_s, n, strict=True):
+        want[b : b + k] = host[a : a + k]
+    if CUDA:
+        torch.cuda.synchronize()
+    assert same_bytes(dev.cpu(), want)
+    back = poison_(torch.empty_like(host))  # and back, device rows to host rows
+    sk.transfer_embedding_ranges_direct(dev, back, dst_s, src_s, n)
+    if CUDA:
+        torch.cuda.synchronize()
+    want_back = poison_(torch.empty_like(host))
+    for a, _b, k in zip(src_s, dst_s, n, strict=True):
+        want_back[a : a + k] = host[a : a + k]
+    assert same_bytes(back, want_back)
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "fragment"),
+    [
+        (lambda s, d: (s, d, [0], [0, 1], [1]), ValueError, "dst_starts: .*same length"),
+        (lambda s, d: (s, d, [0], [0], [1, 1]), ValueError, "lengths: .*same length"),
+        (lambda s, d: (s, d, [8], [0], [3]), ValueError, r"src_starts\[0\]: rows 8..11 run past the 10 rows"),
+        (lambda s, d: (s, d, [0, 0], [0, 5], [2, 2]), ValueError, r"dst_starts\[1\]"),
+        (lambda s, d: (s, d, [-1], [0], [1]), ValueError, "src_starts: expected non-negative"),
+        (lambda s, d: (s, d, [0.5], [0], [1]), TypeError, "src_starts"),
+        (lambda s, d: (s, d, [0], [0], torch.ones(1)), TypeError, "lengths"),
+        (lambda s, d: (s, d.view(12, 3), [0], [0], [1]), ValueError, "dst: rows of 3 bytes differ from src's 6"),
+        (lambda s, d: (s, d.t(), [0], [0], [1]), ValueError, "dst: expected a contiguous"),
+        (lambda s, d: (s.tolist(), d, [0], [0], [1]), TypeError, "src: expected a torch.Tensor"),
+    ],
+)
+def test_embedding_ranges_refuse_bad_arguments(args, exc, fragment):
+    src = random_bytes_(torch.empty(10, 6, dtype=torch.uint8), gen(22))
+    dst = poison_(torch.empty(6, 6, dtype=torch.uint8))
+    before = dst.clone()
+    with pytest.raises(exc, match=fragment) as info:
+        sk.transfer_embedding_ranges_direct(*args(src, dst))
+    assert isinstance(info.value, RuntimeError)
+    assert same_bytes(dst, before), "a refused call wrote"
