@@ -412,6 +412,24 @@ MUTANTS = [
         "        over = np.nonzero(starts + n > 10**9)[0]",
         ("tests/kernels/test_compat_sgl_kernel.py",),
     ),
+    Mutant(
+        "namespaces-share-the-tree",
+        "a request's extra_key no longer moves its tokens into its own namespace: tenants match each "
+        "other's prefixes on the device and the host (34 #3)",
+        "python/hicache/cache/namespaces.py",
+        "        return arr.astype(np.int64) + (ns << SHIFT)",
+        "        return arr.astype(np.int64)",
+        ("tests/cache/test_request_namespaces.py",),
+    ),
+    Mutant(
+        "namespaces-share-storage-keys",
+        "a namespace's storage chain starts from the tier's root digest: another tenant reads its stored "
+        "pages (34 #3)",
+        "python/hicache/cache/namespaces.py",
+        "        if ns == 0:\n            return base_hex\n",
+        "        if ns >= 0:\n            return base_hex\n",
+        ("tests/cache/test_request_namespaces.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

@@ -59,6 +59,7 @@ from .eviction import Eviction
 from .invariants import check_invariants, check_kept
 from .load_backs import LoadBacks
 from .lookups import Lookups
+from .namespaces import RequestNamespaces
 from .storage_ops import HeldHostSlots, StorageOps, create_tier
 
 __all__ = ["CompiledNode", "HiRadixCache", "MatchResult", "TreeNode"]
@@ -162,7 +163,10 @@ class HiRadixCache:
         self.root = self.tree.root
         self.lookups = Lookups(self.tree, self.write_policy, write_through_threshold, metrics)
         self.eviction = Eviction(self.tree)
-        self.storage_ops = StorageOps(self.tree, host_pool, self.controller, tier, held, self.evict_host)
+        self.namespaces = RequestNamespaces()
+        self.storage_ops = StorageOps(
+            self.tree, host_pool, self.controller, tier, held, self.evict_host, self.namespaces
+        )
         self.copies = CopyAcks(
             self.tree, self.controller, host_pool, self.evict_host,
             host_copy_landed=None if tier is None else self.storage_ops.host_copy_landed,
@@ -210,20 +214,24 @@ class HiRadixCache:
             raise RuntimeError(f"{method}: the HiRadixCache's controller is closed")
 
     # ------------------------------------------------------------------ lookups and inserts
-    def match_prefix(self, tokens: Any) -> MatchResult:
-        """Longest cached prefix of ``tokens`` (a list or 1-D tensor of ints), page-aligned."""
+    def match_prefix(self, tokens: Any, extra_key: Any = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (a list or 1-D tensor of ints), page-aligned, among the
+        prefixes inserted with the same ``extra_key`` (None, or a str / bytes / int naming a request
+        namespace: a LoRA adapter, a tenant's cache salt; :mod:`hicache.cache.namespaces`)."""
         self._check_open("match_prefix")
-        result, backups = self.lookups.match(tokens)
+        result, backups = self.lookups.match(self.namespaces.tokens(tokens, extra_key))
         if backups:
             self.copies.backup_many(backups)  # every node this hit made worth a backup, in one copy op
         return result
 
-    def insert(self, tokens: Any, device_indices: torch.Tensor, priority: int = 0) -> int:
+    def insert(self, tokens: Any, device_indices: torch.Tensor, priority: int = 0, extra_key: Any = None) -> int:
         """Insert ``tokens`` whose KV sits in ``device_indices`` (one slot per token, page-aligned).
 
         Parameters
         ----------
         tokens : a page-aligned list or 1-D tensor of token ids.
+        extra_key : None, or the request's namespace (as in :meth:`match_prefix`): only requests with
+            the same ``extra_key`` ever match what this inserts, on any tier.
         device_indices : 1-D integer tensor, allocated device slots, whole pages in order, no slot twice.
             Where the tree already holds the tokens on the device, each slot must be either the tree's
             own slot for that token (as ``match_prefix`` returned it) or one of the caller's that the
@@ -245,7 +253,7 @@ class HiRadixCache:
         the cache).
         """
         self._check_open("insert")
-        dup, backups = self.lookups.insert(tokens, device_indices, priority)
+        dup, backups = self.lookups.insert(self.namespaces.tokens(tokens, extra_key), device_indices, priority)
         if backups:
             self.copies.backup_many(backups)
         return dup
@@ -372,7 +380,7 @@ class HiRadixCache:
         return self.storage_ops.take_backups()
 
     # ------------------------------------------------------------------ storage prefetches
-    def prefetch_from_storage(self, request_id: Any, last_host_node: Any, tokens: Any) -> bool:
+    def prefetch_from_storage(self, request_id: Any, last_host_node: Any, tokens: Any, extra_key: Any = None) -> bool:
         """Ask for the stored pages of ``tokens`` beyond ``last_host_node``; call it when the request
         arrives, then :meth:`check_prefetch_progress` until it admits the request.
 
@@ -382,6 +390,8 @@ class HiRadixCache:
         last_host_node : ``match_prefix(tokens).last_host_node``: the pages continue its prefix (it stays
             locked until the prefetch ends).
         tokens : the request's token ids (a list or 1-D integer tensor), the matched prefix included.
+        extra_key : the request's namespace, as given to :meth:`match_prefix` (the storage keys of a
+            namespace's pages differ from every other's).
 
         Returns True when a prefetch was requested: the query thread keys the pages and asks the
         backend how many leading ones it holds, with no collective and no waiting here. False when
@@ -390,7 +400,7 @@ class HiRadixCache:
         ``request_id`` already prefetching or a node no longer in the tree; nothing changes then.
         """
         self._check_open("prefetch_from_storage")
-        return self.storage_ops.request(request_id, last_host_node, tokens)
+        return self.storage_ops.request(request_id, last_host_node, self.namespaces.tokens(tokens, extra_key))
 
     def check_prefetch_progress(self, request_id: Any) -> bool:
         """Whether the request may be admitted: :meth:`check_prefetches` of this one request.

@@ -41,6 +41,7 @@ from ..storage.tier import Prefetch, PrefetchPolicy, StorageTier
 from ..streams.devices import KVRegion
 from ..tree.nodes import copy_chain
 from .cache_tree import CacheTree
+from .namespaces import RequestNamespaces
 
 __all__ = ["HeldHostSlots", "IO_GRACE_S", "StorageOps", "create_tier"]
 
@@ -132,7 +133,9 @@ class StorageOps:
         tier: StorageTier | None,
         held: HeldHostSlots,
         evict_host: Callable[[int], int],
+        namespaces: RequestNamespaces | None = None,
     ) -> None:
+        self.namespaces = namespaces if namespaces is not None else RequestNamespaces()
         self.tree = tree
         self.root = tree.root
         self.page_size = tree.page_size
@@ -154,9 +157,15 @@ class StorageOps:
         while x is not self.root and x.id not in self.tree.node_keys:
             chain.append(x)
             x = x.parent
-        prev = self.tier.root_digest if x is self.root else self.tree.node_keys[x.id][-1]
+        if not chain:
+            return self.tree.node_keys[node.id]
+        ns = self.namespaces.of_token(chain[0].key[0])  # a chain's tokens share one namespace
+        if x is self.root:
+            prev = self.namespaces.root_digest(self.tier.root_digest, ns)
+        else:
+            prev = self.tree.node_keys[x.id][-1]
         for y in reversed(chain):
-            keys = page_keys(list(y.key), self.page_size, prev_digest=prev)
+            keys = page_keys(self.namespaces.key_tokens(y.key, ns), self.page_size, prev_digest=prev)
             self.tree.node_keys[y.id] = keys
             prev = keys[-1]
         return self.tree.node_keys[node.id]
@@ -229,12 +238,18 @@ class StorageOps:
         if not policy.worth(len(rest), ps):
             return False
         try:
-            prev = tier.root_digest if last_host_node is self.root else self.keys_of(last_host_node)[-1]
+            ns = self.namespaces.of_token(rest[0]) if rest else 0  # a request's tokens share one namespace
+            if last_host_node is self.root:
+                prev = self.namespaces.root_digest(tier.root_digest, ns)
+            else:
+                prev = self.keys_of(last_host_node)[-1]
         except ValueError:
             return False  # the matched prefix holds token ids no key can hold (the same on every rank)
         self.tree.inc_lock_ref(last_host_node)
         now = time.perf_counter()
         p = Prefetch(request_id, last_host_node, rest, prev, now, policy.deadline(now, len(rest)))
+        if ns:
+            p.key_tokens = self.namespaces.key_tokens(rest, ns)
         self.prefetches[request_id] = p
         tier.start_query(p)
         return True

@@ -99,6 +99,7 @@ class Prefetch:
     queried: threading.Event = field(default_factory=threading.Event)  # the query thread is done with it
     cancel: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)  # the I/O thread is done with it
+    key_tokens: list[int] | None = None  # the token ids the keys hash, when not ``tokens`` (a request namespace's)
 
     @property
     def complete(self) -> bool:
@@ -301,7 +302,8 @@ class StorageTier:
 
     def _query_one(self, p: Prefetch) -> None:
         try:
-            keys = page_keys(p.tokens, self.page_size, prev_digest=p.prev)
+            tokens = p.tokens if p.key_tokens is None else p.key_tokens
+            keys = page_keys(tokens, self.page_size, prev_digest=p.prev)
         except ValueError:  # token ids a key cannot hold: nothing of this is stored
             keys = []
         p.keys = keys
