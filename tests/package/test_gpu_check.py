@@ -130,3 +130,31 @@ def test_without_a_gpu_the_real_run_refuses(tmp_path):
     proc = run_check(str(tmp_path / "out"), cwd=tmp_path)
     assert proc.returncode == 1
     assert "no CUDA GPU visible" in proc.stdout
+
+
+@needs_cpu
+def test_dry_run_collects_the_client_tests_over_the_plugin(tmp_path, monkeypatch):
+    """Stage 2's client-tests step: the upstream files in HICACHE_CLIENT_TESTS (here one written the way
+    sgl-kernel's are) collect through hicache_kernels.compat.pytest_plugin, their SHA-256 logged; with
+    none there the step is listed as skipped, not failed."""
+    tests = tmp_path / "client-tests"
+    tests.mkdir()
+    (tests / "test_upstream_style.py").write_text(
+        "import pytest\nfrom sgl_kernel.kvcacheio import transfer_kv_per_layer\nfrom sglang.srt.utils import is_hip\n"
+        "pytestmark = pytest.mark.skipif(True, reason='test_kvcacheio segfaults on CUDA 13.x (sgl-kernel bug)')\n"
+        "def test_one():\n    assert callable(transfer_kv_per_layer) and not is_hip()\n"
+    )
+    out = tmp_path / "out"
+    monkeypatch.setenv("HICACHE_CLIENT_TESTS", str(tests))
+    proc = run_check("--dry-run", "--stage", "2", "--only", "client-tests", str(out), cwd=tmp_path)
+    summary = (out / "summary.txt").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert any(line.startswith("client-tests") and " ok " in line for line in summary.splitlines()), summary
+    log = (out / "gpu_check.log").read_text()
+    assert "1 test collected" in log and "removed 1 CUDA 13 skip mark(s)" in log, log[-3000:]
+    empty = tmp_path / "none"
+    empty.mkdir()
+    monkeypatch.setenv("HICACHE_CLIENT_TESTS", str(empty))
+    proc = run_check("--dry-run", "--stage", "2", "--only", "client-tests", str(tmp_path / "out2"), cwd=tmp_path)
+    assert proc.returncode == 0
+    assert f"client-tests     SKIPPED (none in {empty})" in (tmp_path / "out2" / "summary.txt").read_text()

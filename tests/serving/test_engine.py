@@ -572,3 +572,59 @@ def test_serve_gives_back_the_requests_admitted_before_one_whose_admission_raise
         with pytest.raises(RuntimeError, match="injected admission failure"):
             engine.serve([dataclasses.replace(q, arrival=0.0) for q in reqs], max_running=3)
         assert_nothing_held(cache, pool)
+
+
+@pytest.mark.parametrize("mode", ["hierarchical", "storage"])
+def test_tenants_sharing_a_system_prompt_never_hit_each_others_pages(tmp_path, mode):
+    """The multitenant workload (hicache.serving.workloads.multitenant): four tenants' clients send the
+    same system prompt, each request with its tenant's cache salt, one request at a time. A tenant's
+    first request hits nothing although other tenants cached that prompt before it (on the device, the
+    host, and with a storage tier a second instance's store); later requests hit their own tenant's
+    pages; every answer equals recompute's, bit for bit."""
+    import argparse
+
+    from hicache.serving.workloads import Clients, multitenant
+
+    args = argparse.Namespace(clients=8, rounds=2, system_len=16, turn_len=6, output_len=3, rate=0.0,
+                              vocab=CFG.vocab, tenants=4)  # fmt: skip
+    turns, prompt_of = multitenant(args, random.Random(3))
+    model = TinyLM(CFG)
+    pool = CFG.pool(96, PAGE)
+    kw = {}
+    unseen = set(range(4))  # tenants whose first request may hit nothing at all
+    if mode == "storage":  # a first instance stores tenants 0 and 1's pages; the served one starts empty
+        kw = dict(storage=FileBackend(tmp_path), model_id="m",
+                  prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
+        first_pool = CFG.pool(512, PAGE)
+        stored = [t for t in turns if t.tenant in (0, 1)]
+        with make_cache(first_pool, threaded=False, **kw) as first:
+            Engine(model, first_pool, first).serve(Clients(stored, prompt_of, 1), max_running=1)
+            first.flush()
+            first.check_storage()
+            first.flush()
+        kw["storage"] = FileBackend(tmp_path)
+        unseen = {2, 3}
+    with make_cache(pool, threaded=False, **kw) as cache:
+        source = Clients(turns, prompt_of, 1)
+        results = Engine(model, pool, cache).serve(source, max_running=1)
+        cache.flush()
+        cache.verify()
+        assert len(cache.namespaces) == 4
+    tenant = {(t.client, t.round): t.tenant for t in turns}
+    seen: set[int] = set()
+    hits = {t: 0 for t in range(4)}
+    for r in sorted(results, key=lambda r: r.arrival_s):
+        t = tenant[r.rid]
+        got = r.device_hit + r.host_hit
+        if t not in seen and t in unseen:
+            assert got == 0, f"tenant {t}'s first request hit {got} tokens another tenant cached"
+        if t not in seen and t not in unseen:
+            assert r.host_hit > 0, f"tenant {t}'s first request found none of its stored pages"
+        seen.add(t)
+        hits[t] += got
+    assert all(h > 0 for h in hits.values()), hits  # each tenant reuses its own pages
+    prompts = {(t.client, t.round): prompt_of(t, source.answers) for t in turns}
+    from hicache.serving.engine import Request
+
+    reqs = [Request(prompts[k], 3, rid=k) for k in prompts]
+    check_against_recompute(model, reqs, results)

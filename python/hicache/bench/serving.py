@@ -2,8 +2,10 @@
 hierarchical cache (device + host) and the hierarchical cache with a storage tier, on :mod:`hicache.serving.engine`.
 
 Workloads (:mod:`hicache.serving.workloads`): ``multiturn`` (clients with a shared system prompt, several
-rounds each; a round's prompt is the whole history plus a new question) and ``longqa`` (several long
-documents, questions interleaved across them; a question's prompt is its document plus the question).
+rounds each; a round's prompt is the whole history plus a new question), ``multitenant`` (the same, the
+clients spread over ``--tenants`` tenants whose requests each carry the tenant's cache salt: a tenant
+hits only its own pages; hit rates are reported per tenant) and ``longqa`` (several long documents,
+questions interleaved across them; a question's prompt is its document plus the question).
 Turns are scheduled as a Poisson process at ``--rate`` per second (0: all at once); a client sends its
 next turn at its scheduled time or, if later, as soon as it has the answer to the previous one (closed
 loop). The clients keep at most ``--max-parallel`` requests in flight. The engine serves them with
@@ -33,8 +35,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -44,10 +48,12 @@ from typing import Any
 
 import torch
 
+from hicache_kernels.benchutil.output import git_commit
+
 from ..cache.radix_cache import HiRadixCache
 from ..pools import HostKVPool
 from ..serving.engine import Engine, GenerationResult, ModelConfig, Request, TinyLM
-from ..serving.workloads import Clients, Turn, longest_per_client, longqa, multiturn
+from ..serving.workloads import Clients, Turn, longest_per_client, longqa, multitenant, multiturn
 from ..storage import FileBackend
 from ..storage.tier import PrefetchPolicy
 
@@ -117,7 +123,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
     if args.progress:
         print(file=sys.stderr)
     wall = time.perf_counter() - t_start
-    rows = [{"client": r.rid[0], "round": r.rid[1], "arrival_s": r.arrival_s, "prompt": r.device_hit + r.host_hit
+    tenant_of = {(t.client, t.round): t.tenant for t in turns}
+    rows = [{"client": r.rid[0], "round": r.rid[1], "tenant": tenant_of[r.rid], "arrival_s": r.arrival_s,
+             "prompt": r.device_hit + r.host_hit
              + r.computed, "ttft_s": r.ttft_s, "queued_s": r.queued_s, "total_s": r.total_s,
              "device_hit": r.device_hit, "host_hit": r.host_hit, "computed": r.computed,
              "load_wait_s": r.load_wait_s, "batch": r.extra["batch"], "answer": r.tokens} for r in results]  # fmt: skip
@@ -129,9 +137,18 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
     by_round = {}
     for k in sorted({r["round"] for r in rows}):
         by_round[k] = statistics.median(r["ttft_s"] for r in rows if r["round"] == k)
+    by_tenant = {}
+    for t in sorted({r["tenant"] for r in rows if r["tenant"] is not None}):
+        mine = [r for r in rows if r["tenant"] == t]
+        p = sum(r["prompt"] for r in mine)
+        by_tenant[t] = {"requests": len(mine), "prompt_tokens": p,
+                        "device_hit_rate": sum(r["device_hit"] for r in mine) / p,
+                        "host_hit_rate": sum(r["host_hit"] for r in mine) / p,
+                        "ttft_p50_s": pctl([r["ttft_s"] for r in mine], 50)}  # fmt: skip
     return {
         "mode": mode,
         "requests": len(rows),
+        "by_tenant": by_tenant,  # multitenant: each tenant's hit rates (its own pages only)
         "ttft_p50_s": pctl(ttft, 50),
         "ttft_p90_s": pctl(ttft, 90),
         "ttft_p99_s": pctl(ttft, 99),
@@ -219,7 +236,8 @@ def plot(path: str, results: list[dict], xlabel: str = "round") -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, ``--quick`` applied and every value checked (``SystemExit`` naming a bad one)."""
     p = argparse.ArgumentParser(prog="python -m hicache.bench.serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=["multiturn", "longqa"], default="multiturn")
+    p.add_argument("--workload", choices=["multiturn", "multitenant", "longqa"], default="multiturn")
+    p.add_argument("--tenants", type=int, default=4, help="multitenant: tenants the clients are spread over")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
@@ -271,7 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.layers, a.hidden, a.heads, a.kv_heads, a.head_dim = 2, 32, 4, 2, 8
     if a.progress is None:
         a.progress = sys.stderr.isatty()
-    for name in ("clients", "rounds", "output_len", "page_size", "docs", "doc_len", "questions", "max_parallel"):
+    for name in ("clients", "rounds", "output_len", "page_size", "docs", "doc_len", "questions", "max_parallel",
+                 "tenants"):  # fmt: skip
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1")
     if not 0 < a.device_fraction <= 1:
@@ -331,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(a.threads)
     r = random.Random(a.seed)
-    turns, prompt_of = (multiturn if a.workload == "multiturn" else longqa)(a, r)
+    turns, prompt_of = {"multiturn": multiturn, "multitenant": multitenant, "longqa": longqa}[a.workload](a, r)
     cfg = ModelConfig(num_layers=a.layers, hidden=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads,
                       head_dim=a.head_dim, ffn=a.ffn or 2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
                       dtype=getattr(torch, a.dtype))  # fmt: skip
@@ -358,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {1e3 * x['ttft_p99_s']:8.2f}  | {x['throughput_tokens_per_s']:7.1f} tok/s  | hit: device "
               f"{x['device_hit_rate']:.2f} host {x['host_hit_rate']:.2f} (storage {x['storage_hit_rate']:.2f})  "
               f"loaded {x['tokens_loaded']} tokens, waited {1e3 * x['load_wait_s']:.1f} ms")  # fmt: skip
+        for t, y in x["by_tenant"].items():
+            print(f"{'':>14}tenant {t}: {y['requests']} requests, hit: device {y['device_hit_rate']:.2f} host "
+                  f"{y['host_hit_rate']:.2f}, TTFT p50 {1e3 * y['ttft_p50_s']:.2f} ms")  # fmt: skip
     # The pool's real share of what it was sized from (its floor of two requests can make it larger).
     target = serving_target(results, slots / sizes.sized_from, torch.device(a.device).type == "cuda")
     order = cpu_ordering(results)
@@ -365,8 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target: {target['target']}: {target['measured']:.3f} (<= {TARGET_RATIO}): {target['status']}"
               + (f" ({target['note']})" if "note" in target else ""))  # fmt: skip
     print("ordering: " + ", ".join(f"{k} {v}" for k, v in order.items() if v is not None))
+    gpu_name = torch.cuda.get_device_name() if torch.device(a.device).type == "cuda" else None
     out = {
         "bench": "hicache.bench.serving",
+        "command": "python -m hicache.bench.serving " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "commit": git_commit(),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu_name},
         "target": target,
         "cpu_ordering": order,
         "workload": a.workload,
@@ -385,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {a.json}")
     if a.plot:
-        plot(a.plot, results, "round" if a.workload == "multiturn" else "question on its document")
+        plot(a.plot, results, "question on its document" if a.workload == "longqa" else "round")
         print(f"wrote {a.plot}")
     return 0
 

@@ -39,12 +39,15 @@ class Request:
 
     ``arrival`` is in seconds on the serving loop's clock (0: when :meth:`Engine.serve` starts); ``rid``
     is the caller's name for it (any object), handed back in its :class:`GenerationResult`.
+    ``extra_key``: the request's cache namespace (a LoRA adapter, a tenant's cache salt; None: the
+    shared one): its prefix matches only what requests of the same namespace cached, on every tier.
     """
 
     prompt: list[int]
     max_new_tokens: int
     arrival: float = 0.0
     rid: Any = None
+    extra_key: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -192,7 +195,7 @@ class Engine:
             return run
         # At most the prompt minus one token: the last one is always computed (its logits give the first
         # new token).
-        m = cache.match_prefix(req.prompt[:-1])
+        m = cache.match_prefix(req.prompt[:-1], extra_key=req.extra_key)
         if budget is not None and len(req.prompt) - len(m.device_indices) - m.host_hit_length > budget:
             return None
         cache.inc_lock_ref(m.last_device_node)
@@ -233,7 +236,7 @@ class Engine:
             self.pool.free(slots)
             return
         key_len = run.fed - run.fed % ps
-        dup = self.cache.insert((run.req.prompt + run.out)[:key_len], slots[:key_len])
+        dup = self.cache.insert((run.req.prompt + run.out)[:key_len], slots[:key_len], extra_key=run.req.extra_key)
         if dup > run.prefix:  # another request cached part of ours meanwhile: our copies go
             self.pool.free(slots[run.prefix : dup])
         if key_len < len(slots):
@@ -346,8 +349,8 @@ class Engine:
         """Start fetching ``req``'s pages beyond its host hit from the store; whether it must wait."""
         cache = self.cache
         self._requests += 1
-        m = cache.match_prefix(req.prompt[:-1])
-        if cache.prefetch_from_storage(self._requests, m.last_host_node, req.prompt[:-1]):
+        m = cache.match_prefix(req.prompt[:-1], extra_key=req.extra_key)
+        if cache.prefetch_from_storage(self._requests, m.last_host_node, req.prompt[:-1], extra_key=req.extra_key):
             prefetching[self._requests] = req
             return True
         return False

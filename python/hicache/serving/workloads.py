@@ -25,6 +25,12 @@ class Turn:
     client: int
     prompt: list[int] | None  # None: built when sent (multi-turn prompts include earlier answers)
     new_tokens: int
+    tenant: int | None = None  # multitenant: the client's tenant, whose cache salt its requests carry
+
+    @property
+    def extra_key(self) -> str | None:
+        """The request's cache namespace: its tenant's salt (None: the shared namespace)."""
+        return None if self.tenant is None else f"tenant-{self.tenant}"
 
 
 def multiturn(args: argparse.Namespace, r: random.Random) -> tuple[list[Turn], Any]:
@@ -48,6 +54,16 @@ def multiturn(args: argparse.Namespace, r: random.Random) -> tuple[list[Turn], A
                 out += answers[(turn.client, k)]
         return out
 
+    return turns, prompt_of
+
+
+def multitenant(args: argparse.Namespace, r: random.Random) -> tuple[list[Turn], Any]:
+    """:func:`multiturn` with the clients spread over ``args.tenants`` tenants (client ``c`` is tenant
+    ``c % tenants``'s), every request carrying its tenant's cache salt (``Turn.extra_key``). The tenants
+    send the same system prompt, yet each caches its own copy: no tenant's prefix matches another's."""
+    turns, prompt_of = multiturn(args, r)
+    for t in turns:
+        t.tenant = t.client % args.tenants
     return turns, prompt_of
 
 
@@ -97,7 +113,8 @@ class Clients:
         while self._free and self._ready and self._ready[0][0] <= now:
             ready, turn = self._ready.pop(0)
             at = max(ready, heapq.heappop(self._free))
-            out.append(Request(self.prompt_of(turn, self.answers), turn.new_tokens, at, (turn.client, turn.round)))
+            prompt = self.prompt_of(turn, self.answers)
+            out.append(Request(prompt, turn.new_tokens, at, (turn.client, turn.round), extra_key=turn.extra_key))
         self._left -= len(out)
         return out
 
