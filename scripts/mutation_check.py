@@ -423,8 +423,7 @@ MUTANTS = [
     ),
     Mutant(
         "namespaces-share-storage-keys",
-        "a namespace's storage chain starts from the tier's root digest: another tenant reads its stored "
-        "pages (34 #3)",
+        "a namespace's storage chain starts from the tier's root digest: another tenant reads its stored pages (34 #3)",
         "python/hicache/cache/namespaces.py",
         "        if ns == 0:\n            return base_hex\n",
         "        if ns >= 0:\n            return base_hex\n",

@@ -142,6 +142,15 @@ def custom_op_calls(p: Pools, check: bool) -> list[tuple[str, Callable[[], None]
     return calls
 
 
+#: The compat module's names that are not timed: no transfer (the backend switch, the error classes, an
+#: address query), or a transfer that does not go through an io-backend (the row-range copy issues its
+#: copy-engine copies itself, so the no-op backend cannot stand in for it).
+COMPAT_NOT_TIMED = frozenset({
+    "use_backend", "ArgumentError", "ArgumentTypeError", "get_device_accessible_ptr",
+    "transfer_embedding_ranges_direct",
+})  # fmt: skip
+
+
 def compat_calls(p: Pools) -> list[tuple[str, Callable[[], None]]]:
     """Every sgl-kernel function that fits the pool (the ``_mla`` ones on MLA pools), as sgl-kernel's
     callers pass them: loads per layer from the host, backups of every layer to it."""
@@ -163,6 +172,9 @@ def compat_calls(p: Pools) -> list[tuple[str, Callable[[], None]]]:
             "transfer_kv_all_layer_direct_lf_pf": (sk.transfer_kv_all_layer_direct_lf_pf, p.k_layers, [pfd], d, h,
                                                    page),
             "transfer_kv_per_layer_direct_pf_lf": (sk.transfer_kv_per_layer_direct_pf_lf, [pfd], [k0], h, d, 0, page),
+            # SGLang's Mamba state transfers have the MLA page-first shape: one item per slot and layer
+            "transfer_kv_mamba_pf_lf": (sk.transfer_kv_mamba_pf_lf, pf, k0, h, d, 0, item, dim),
+            "transfer_kv_mamba_lf_pf": (sk.transfer_kv_mamba_lf_pf, dev_tab, pf, d, h, item, dim, L),
         }  # fmt: skip
     else:
         ph, v0, H = p.host("page_head"), p.v_layers[0], p.model.head_num

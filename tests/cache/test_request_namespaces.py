@@ -10,8 +10,9 @@ import pytest
 import torch
 from test_storage_tier import make
 
-from cachedata import check_kv, make_cache, write_kv
 from hicache.storage import FileBackend
+
+from cachedata import check_kv, make_cache, write_kv
 
 pytestmark = pytest.mark.usefixtures("each_tree_core")
 
