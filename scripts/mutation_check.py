@@ -453,6 +453,27 @@ MUTANTS = [
         "sglang",
     ),
     Mutant(
+        "sglang-v2-sidecar-not-required",
+        "batch_exists_v2 counts a trailing-pages sidecar (a Mamba state) as present without looking: a "
+        "prefix whose state is missing is loaded without it (34 #4)",
+        "python/hicache/integrations/sglang.py",
+        "                    ok = {n for n in range(1, kv + 1) if all(present[max(0, n - trailing) : n])}",
+        "                    ok = set(range(1, kv + 1))",
+        (_SGLANG_TESTS,),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
+        "sglang-v2-pool-geometry-unkeyed",
+        "a v2 pool's namespace leaves its page bytes out: a pool of another state shape reads the page (34 #4)",
+        "python/hicache/integrations/sglang.py",
+        '            "geometry": _pool_geometry(host_pool),\n',
+        "",
+        (_SGLANG_TESTS,),
+        _REQUIRE,
+        "sglang",
+    ),
+    Mutant(
         "sglang-namespace-drops-dtype",
         "the adapter's namespace leaves the KV dtype out: another dtype reads the bytes (33 #1, sglang#33268)",
         "python/hicache/integrations/sglang.py",

@@ -36,12 +36,12 @@ def mla_pools(layout: str, dtype: torch.dtype = DTYPE, dcp_size: int = 1, dcp_ra
     return kv, host
 
 
-def mamba_pools(layout: str, slots: int = 32):
+def mamba_pools(layout: str, slots: int = 32, conv_shape: tuple[int, int] = (3, 5)):
     """(device states [temporal, conv], host pool) of a model with LAYERS Mamba layers: a float32
-    temporal (SSM) state of 2 x 4 and a bf16 conv state of 3 x 5 per request slot, as SGLang's
+    temporal (SSM) state of 2 x 4 and a bf16 conv state of ``conv_shape`` per request slot, as SGLang's
     MambaPoolHost takes them (``MambaStateBufferInfo``: layer and slot axes first)."""
     temporal = torch.empty(LAYERS, slots, 2, 4, dtype=torch.float32)
-    conv = torch.empty(LAYERS, slots, 3, 5, dtype=torch.bfloat16)
+    conv = torch.empty(LAYERS, slots, *conv_shape, dtype=torch.bfloat16)
     info = MambaStateBufferInfo(temporal=temporal, conv=(conv,))
     host = MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, layout=layout)
     return [temporal, conv], host

@@ -22,9 +22,15 @@ need([
     "hicache.integrations.sglang",
 ])  # fmt: skip
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageFailureInjector  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorageConfig,
+    HiCacheStorageFailureInjector,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang_pools import DTYPE, LAYERS, PAGE, mha_pools, mla_pools, random_bytes  # noqa: E402
+from sglang_pools import DTYPE, LAYERS, PAGE, mamba_pools, mha_pools, mla_pools, random_bytes  # noqa: E402
 
 from hicache.integrations.sglang import MHA_LAYOUTS, MLA_LAYOUTS, HiCacheKernelsStorage  # noqa: E402
 from hicache.storage import FileBackend, StorageBackend  # noqa: E402
@@ -416,3 +422,88 @@ def test_bad_configuration_names_the_setting(tmp_path):
         s.register_mem_pool_host(mha_host("page_first"))  # head groups need page_head
     unbound = HiCacheKernelsStorage(config(extra={"hicache_backend_config": {"path": str(tmp_path)}}))
     assert unbound.batch_get_v1(KEYS[:1], torch.arange(PAGE)) == [False]  # before registration: a miss
+
+
+# -- SGLang's v2 pool interface: a hybrid (Mamba) model's KV pool and its Mamba state pool ---------------
+def hybrid(tmp_path, seed: int, interface_v1: int = 1):
+    """SGLang's host pools of a hybrid model (its MHA KV pool and MambaPoolHost), registered through
+    register_mem_host_pool_v2 as SGLang's host pool group registers them, random bytes in both."""
+    kv, mamba = mha_host("page_first"), mamba_pools("page_first")[1]
+    random_bytes(kv.kv_buffer, seed)
+    for i, t in enumerate([mamba.temporal_buffer, *mamba.conv_buffer]):
+        random_bytes(t, seed * 10 + i)
+    s = HiCacheKernelsStorage(config(extra={"hicache_backend": "file", "interface_v1": interface_v1,
+                                            "hicache_backend_config": {"path": str(tmp_path / "store")}}))  # fmt: skip
+    s.register_mem_host_pool_v2(kv, PoolName.KV)
+    s.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    return s, kv, mamba
+
+
+def mamba_page(pool, slot: int) -> torch.Tensor:
+    return pool.get_data_page(slot, flat=True).clone()
+
+
+@pytest.mark.parametrize("interface_v1", [1, 0])
+def test_v2_hybrid_pages_and_their_mamba_state_round_trip(tmp_path, interface_v1):
+    s, kv, mamba = hybrid(tmp_path, 31, interface_v1)
+    kv_slots, state = kv.alloc(3 * PAGE), mamba.alloc(1)
+    want_kv, want_state = pages_of(kv, kv_slots), mamba_page(mamba, int(state[0]))
+    # The KV pages of three keys, and the Mamba state at the last one (SGLang's trailing-pages policy).
+    sets = s.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=kv_slots, keys=KEYS[:3]),
+                           PoolTransfer(PoolName.MAMBA, host_indices=state, keys=KEYS[2:3],
+                                        hit_policy=PoolHitPolicy.TRAILING_PAGES)])  # fmt: skip
+    assert sets == {"kv": [True] * 3, "mamba": [True]}
+    r, kv2, mamba2 = hybrid(tmp_path, 32, interface_v1)  # a fresh instance, other bytes in its pools
+    trailing = [PoolTransfer(PoolName.MAMBA, keys=KEYS[2:3], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    hit = r.batch_exists_v2(KEYS[:4], trailing)
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages, hit.restorable_prefix_pages) == (3, {"kv": 3, "mamba": 3}, [3])
+    dst_kv, dst_state = kv2.alloc(3 * PAGE), mamba2.alloc(1)
+    poison(kv2, dst_kv)
+    got = r.batch_get_v2([PoolTransfer(PoolName.KV, host_indices=dst_kv, keys=KEYS[:3]),
+                          PoolTransfer(PoolName.MAMBA, host_indices=dst_state, keys=KEYS[2:3])])  # fmt: skip
+    assert got == {"kv": [True] * 3, "mamba": [True]}
+    assert all(torch.equal(a, b) for a, b in zip(pages_of(kv2, dst_kv), want_kv, strict=True))
+    assert torch.equal(mamba_page(mamba2, int(dst_state[0])), want_state)
+
+
+def test_v2_a_prefix_without_its_sidecar_is_not_restorable(tmp_path):
+    """KV pages stored without their Mamba state (or with it for a shorter prefix): that prefix is a
+    miss, never a load without its state; an all-pages sidecar cuts the prefix at its first gap."""
+    s, kv, mamba = hybrid(tmp_path, 41)
+    slots = kv.alloc(4 * PAGE)
+    assert s.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=slots, keys=KEYS[:4])]) == {"kv": [True] * 4}
+    trailing = [PoolTransfer(PoolName.MAMBA, keys=KEYS[3:4], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    assert s.batch_exists_v2(KEYS[:4], trailing).kv_hit_pages == 0  # no state anywhere: nothing restorable
+    state_at_2 = [PoolTransfer(PoolName.MAMBA, host_indices=mamba.alloc(1), keys=KEYS[1:2])]
+    assert s.batch_set_v2(state_at_2)["mamba"] == [True]
+    hit = s.batch_exists_v2(KEYS[:4], trailing)
+    assert hit.kv_hit_pages == 2 and hit.restorable_prefix_pages == [2]  # only the prefix the state ends
+    all_pages = [PoolTransfer(PoolName.MAMBA, keys=KEYS[:4], hit_policy=PoolHitPolicy.ALL_PAGES)]
+    assert s.batch_exists_v2(KEYS[:4], all_pages).kv_hit_pages == 0  # page 0's state is missing
+
+
+def test_v2_pools_are_namespaced_and_faults_are_misses(tmp_path):
+    s, kv, mamba = hybrid(tmp_path, 51)
+    state = mamba.alloc(1)
+    assert s.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=state, keys=KEYS[:1])])["mamba"] == [True]
+    # the same key in the KV pool's namespace is not the Mamba page
+    assert s.batch_exists(KEYS[:1]) == 0
+    # Mamba pools of another geometry read nothing of it: a wider state, and one of as many bytes in
+    # another shape (which a size check alone would take)
+    store = {"path": str(tmp_path / "store")}
+    for shape in ((3, 6), (5, 3)):
+        other = HiCacheKernelsStorage(config(extra={"hicache_backend": "file", "hicache_backend_config": store}))
+        pool = mamba_pools("page_first", slots=8, conv_shape=shape)[1]
+        other.register_mem_host_pool_v2(pool, PoolName.MAMBA)
+        other.register_mem_host_pool_v2(mha_host("page_first"), PoolName.KV)
+        got = other.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=pool.alloc(1), keys=KEYS[:1])])
+        assert got == {"mamba": [False]} and other.stats()["faults"] == 0, shape  # a plain miss
+    # wrong slot counts, unknown pools and a raising backend are misses, counted, never exceptions
+    assert s.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=kv.alloc(PAGE), keys=KEYS[:1])]) == {"kv": [True]}
+    before = s.stats()["faults"]
+    assert s.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=mamba.alloc(2), keys=KEYS[:1])]) == {
+        "mamba": [False]}  # fmt: skip
+    assert s.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=state, keys=KEYS[:1])]) == {"swa": [False]}
+    s.backend.exists = lambda key: (_ for _ in ()).throw(OSError("store down"))
+    assert s.batch_exists_v2(KEYS[:1], [PoolTransfer(PoolName.MAMBA, keys=KEYS[:1])]).kv_hit_pages == 0
+    assert s.stats()["faults"] == before + 3

@@ -59,7 +59,14 @@ import numpy as np
 import torch
 
 try:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+        PoolHitPolicy,
+        PoolTransfer,
+        PoolTransferResult,
+    )
 except ModuleNotFoundError as exc:
     from hicache.integrations._clients import raise_client_missing
 
@@ -133,6 +140,29 @@ class SGLangPageObjects:
         return out
 
 
+_KV = "kv"  # SGLang's PoolName.KV
+#: Attributes of SGLang's host pools that fix a page's byte layout beyond its size (a Mamba pool's state
+#: shapes and dtypes, an attention pool's heads): two pools differing in any never read each other's.
+_GEOMETRY = ("layer_num", "num_mamba_layers", "temporal_state_shape", "conv_state_shapes", "temporal_dtype",
+             "conv_dtype", "dtype", "head_num", "head_dim", "kv_cache_dim")  # fmt: skip
+
+
+def _pool_geometry(host: Any) -> dict[str, str]:
+    return {a: str(getattr(host, a)) for a in _GEOMETRY if getattr(host, a, None) is not None}
+
+
+class _SidecarPool:
+    """A v2 pool beside the KV pool: SGLang's host pool, its namespace digest and page geometry."""
+
+    __slots__ = ("digest", "dtype", "host", "page_bytes", "page_size")
+
+    def __init__(self, host: Any, digest: bytes, page_size: int, page_bytes: int, dtype: torch.dtype) -> None:
+        self.host, self.digest, self.page_size, self.page_bytes, self.dtype = host, digest, page_size, page_bytes, dtype
+
+    def keys(self, keys: Sequence[str]) -> list[str]:
+        return [hashlib.sha256(self.digest + k.encode()).hexdigest() for k in keys]
+
+
 class HiCacheKernelsStorage(HiCacheStorage):
     """SGLang ``HiCacheStorage`` over a :class:`~hicache.storage.base.StorageBackend` (module docstring).
 
@@ -185,6 +215,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bw": [], "backup_bw": []}
         self._counts = {"faults": 0, "skipped_sets": 0}
+        self._pools: dict[str, _SidecarPool] = {}  # v2: the pools beside the KV pool, by SGLang's pool name
 
     # -- binding to SGLang's host pool -------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -336,6 +367,146 @@ class HiCacheKernelsStorage(HiCacheStorage):
             self._fault("batch_exists", exc)
             return 0
         return n // self.objects.groups
+
+    # -- SGLang's v2 pool interface (hybrid models: Mamba, SWA, DSA indexer pools beside the KV) -----
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Register one pool of SGLang's host pool group: the KV pool binds as
+        :meth:`register_mem_pool_host` does; any other pool (its pages moved as SGLang's flat data pages)
+        gets a namespace of its own: this deployment's, plus the pool's name, page dtype, page size,
+        page bytes, layout, geometry (state shapes and dtypes, heads) and this rank."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == _KV:
+            if self.objects is None:
+                self.register_mem_pool_host(host_pool)
+            return
+        page = host_pool.get_dummy_flat_data_page()
+        cfg = self.config
+        fields = {
+            "format": OBJECT_FORMAT,
+            "model": cfg.model_name,
+            "salt": self.salt,
+            "pool": name,
+            "dtype": str(page.dtype),
+            "page_size": int(getattr(host_pool, "page_size", 1) or 1),
+            "page_bytes": int(page.numel() * page.element_size()),
+            "layout": str(getattr(host_pool, "layout", "")),
+            "rank": [int(cfg.tp_rank), int(cfg.tp_size), int(getattr(cfg, "dcp_rank", 0) or 0)],
+            "geometry": _pool_geometry(host_pool),
+        }
+        self._pools[name] = _SidecarPool(host_pool, fields_digest(fields), fields["page_size"], fields["page_bytes"],
+                                         page.dtype)  # fmt: skip
+
+    def _pool(self, name: Any) -> _SidecarPool:
+        pool = self._pools.get(str(name))
+        if pool is None:
+            raise ValueError(f"transfers: no host pool registered as {str(name)!r} (register_mem_host_pool_v2)")
+        return pool
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None, extra_info: Any = None
+    ) -> PoolTransferResult:
+        """The longest prefix of ``keys`` whose KV pages and every other pool's pages are stored, by each
+        pool's hit policy (``all_pages``: each page of the prefix; ``trailing_pages``: the last
+        ``len(transfer.keys)`` pages of it, as Mamba / SWA states): a prefix a sidecar is missing from is
+        not restorable (a miss, never a load without it). ``restorable_prefix_pages`` lists every
+        restorable length, as SGLang intersects them across ranks."""
+        kv = self.batch_exists(keys)
+        hits: dict[str, int] = {_KV: kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        try:
+            for t in pool_transfers or []:
+                if not restorable:
+                    break
+                pool, name = self._pool(t.name), str(t.name)
+                present = [bool(self.backend.exists(k)) for k in pool.keys(keys[:kv])]
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    first_gap = present.index(False) if False in present else kv
+                    ok = set(range(1, first_gap + 1))
+                elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    trailing = max(1, len(t.keys) if t.keys else 1)
+                    ok = {n for n in range(1, kv + 1) if all(present[max(0, n - trailing) : n])}
+                else:
+                    raise ValueError(f"pool_transfers: hit policy {t.hit_policy!s} of {name!r} is not served")
+                if ok:
+                    hits[name] = max(ok)
+                restorable &= ok
+        except Exception as exc:  # a fault is a miss
+            self._fault("batch_exists_v2", exc)
+            return PoolTransferResult(0, {}, [])
+        order = sorted(restorable)
+        return PoolTransferResult(order[-1] if order else 0, hits, order)
+
+    def _sidecar_io(self, t: PoolTransfer, write: bool) -> list[bool]:
+        keys = list(t.keys or [])
+        pool = self._pool(t.name)
+        idx = t.host_indices
+        if idx is None or idx.numel() != len(keys) * pool.page_size:
+            raise ValueError(f"transfers[{str(t.name)!r}].host_indices: expected {len(keys) * pool.page_size} "
+                             f"slots for {len(keys)} keys, got {0 if idx is None else idx.numel()}")  # fmt: skip
+        firsts = idx.reshape(-1)[:: pool.page_size].tolist()
+        out = []
+        for okey, first in zip(pool.keys(keys), firsts, strict=True):
+            if write:
+                flat = self._flat(pool.host.get_data_page(first, flat=True)).numpy()
+                stored = bool(self.backend.set(okey, memoryview(flat)))
+                self.backend._count(sets=int(stored), set_failures=int(not stored), bytes_written=flat.size * stored)
+                out.append(stored)
+                continue
+            data = self.backend.get(okey)
+            if data is None or len(memoryview(data).cast("B")) != pool.page_bytes:
+                self.backend._count(misses=1)
+                out.append(False)
+                continue
+            page = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(pool.dtype)
+            pool.host.set_from_flat_data_page(first, page)
+            self.backend._count(hits=1, bytes_read=pool.page_bytes)
+            out.append(True)
+        return out
+
+    def _kv_io(self, t: PoolTransfer, write: bool) -> list[bool]:
+        """A v2 KV transfer through this deployment's KV interface (zero copy, or flat pages)."""
+        keys, idx = list(t.keys or []), t.host_indices
+        if self.interface == "v1":
+            return self.batch_set_v1(keys, idx) if write else self.batch_get_v1(keys, idx)
+        host, firsts = self.objects.host, idx.reshape(-1)[:: self.objects.page_size].tolist()
+        if write:
+            return [self.batch_set([k], [host.get_data_page(f, flat=True)]) for k, f in zip(keys, firsts, strict=True)]
+        pages = self.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+        for f, page in zip(firsts, pages, strict=True):
+            if page is not None:
+                host.set_from_flat_data_page(f, page)
+        return [p is not None for p in pages]
+
+    def _batch_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        what = "batch_set_v2" if write else "batch_get_v2"
+        for t in transfers:
+            name = str(t.name)
+            n = len(t.keys or [])
+            if not self._ready(what):
+                results[name] = [False] * n
+                continue
+            if write and not self.writer:  # MLA: the writer rank stores every pool's (replicated) pages
+                with self._lock:
+                    self._counts["skipped_sets"] += n
+                results[name] = [True] * n
+                continue
+            try:
+                results[name] = self._kv_io(t, write) if name == _KV else self._sidecar_io(t, write)
+            except Exception as exc:  # a fault is a miss (a failed set)
+                self._fault(what, exc)
+                results[name] = [False] * n
+        return results
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Read each transfer's pages (``keys`` into ``host_indices``) into its pool; per pool, whether
+        each page was read."""
+        return self._batch_v2(transfers, write=False)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Store each transfer's pages from its pool; per pool, whether each page was stored."""
+        return self._batch_v2(transfers, write=True)
 
     # -- the copying interface (flat page tensors) ---------------------------------------------------
     def _flat(self, value: Any) -> torch.Tensor:
