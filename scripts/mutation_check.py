@@ -45,9 +45,11 @@ class Mutant:
 
 
 _LAUNCH_LAYER = (
-    "                self._launch(stream, lambda s, layer=layer: loads(layer), op, (hp, h_idx), (dp, d_idx), layer)\n"
+    "                for load, d, h in loads:\n"
+    "                    work = lambda s, layer=layer, load=load: load(layer)  # noqa: E731\n"
+    "                    self._launch(stream, work, op, (h, h_idx), (d, d_idx), layer)\n"
 )
-_SIGNAL_LAYER = "                self.layer_counter.layer_issued(layer, stream, op.generation)\n"
+_SIGNAL_LAYER = "                self.layer_counter.layer_issued(layer, stream, op.generation)  # the layer of every pool\n"
 _WAIT_READY = (
     "                if op.ready is not None:  # the copy's data is ready (nothing waits here)\n"
     "                    stream.wait_event(op.ready)\n"
@@ -428,6 +430,24 @@ MUTANTS = [
         "        if ns == 0:\n            return base_hex\n",
         "        if ns >= 0:\n            return base_hex\n",
         ("tests/cache/test_request_namespaces.py",),
+    ),
+    Mutant(
+        "sidecar-not-backed-up",
+        "a backup copies the KV but not its sidecar pool: the host holds pages without their indexer rows "
+        "(34 #1)",
+        "python/hicache/controller/controller.py",
+        '        if op.kind == "write":\n            for b, d, h in pairs:\n',
+        '        if op.kind == "write":\n            for b, d, h in pairs[:1]:\n',
+        ("tests/cache/test_sidecar_pools.py",),
+    ),
+    Mutant(
+        "sidecar-not-loaded-by-layer",
+        "a layer-wise load-back signals a layer done after the KV's copy only: the sidecar's rows are never "
+        "loaded (34 #1)",
+        "python/hicache/controller/controller.py",
+        "                     for b, d, h in pairs]  # fmt: skip",
+        "                     for b, d, h in pairs[:1]]  # fmt: skip",
+        ("tests/cache/test_sidecar_pools.py",),
     ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.

@@ -96,6 +96,11 @@ class HiRadixCache:
         pages when they use the same group size (:mod:`hicache.storage.objects`). Ignored for MLA.
     prefetch_policy : ``best_effort`` (default), ``wait_complete``, ``timeout``, or a
         :class:`~hicache.storage.tier.PrefetchPolicy` (thresholds, timeouts, host-slot cap).
+    sidecars : per-token pools beside the KV, ``(DeviceKVPool, HostKVPool)`` pairs sharing the KV pools'
+        slot numbering (a sparse-attention indexer's FP8 keys and scales, in any item shape): every
+        backup and load-back moves them with the KV in one acknowledged copy, so a page is never on a
+        tier without its sidecar (:func:`hicache.controller.controller.check_sidecars`). Not with a
+        storage tier yet (``ValueError``).
     """
 
     # The components (each owns its state; this class composes them and checks the calls):
@@ -127,6 +132,7 @@ class HiRadixCache:
         storage_head_group: int = 1,
         prefetch_policy: str | PrefetchPolicy = "best_effort",
         device_model: Any = None,
+        sidecars: Any = (),
     ) -> None:
         if host_pool.page_size != device_pool.page_size:
             raise ValueError(
@@ -142,8 +148,14 @@ class HiRadixCache:
         self._owns_controller = controller is None
         self.controller = controller or HiCacheController(
             device_pool, host_pool, io_backend=io_backend, write_policy=write_policy, tp_group=tp_group,
-            threaded=threaded, device_model=device_model,
+            threaded=threaded, device_model=device_model, sidecars=sidecars,
         )  # fmt: skip
+        if controller is not None and sidecars:
+            raise ValueError("sidecars: give them to the controller (HiCacheController(..., sidecars=...))")
+        if self.controller.sidecars and storage is not None:
+            if self._owns_controller:
+                self.controller.close(drain=False)
+            raise ValueError("sidecars: a storage tier does not store sidecar pools yet; give storage=None")
         self.write_policy = self.controller.write_policy
         self.policy = get_policy(eviction_policy)
         self.page_size = device_pool.page_size

@@ -59,6 +59,34 @@ from .metrics import CacheMetrics
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
+def check_sidecars(sidecars: Any, device_pool: DeviceKVPool, host_pool: HostKVPool) -> list[tuple[Any, Any]]:
+    """``sidecars``: ``(DeviceKVPool, HostKVPool)`` pairs of per-token pools beside the KV (a sparse
+    attention indexer's keys and scales: any item shape and dtype) that share the KV pools' slot
+    numbering (device slot ``i`` and host slot ``j`` hold the same tokens' sidecar items as the KV pools'
+    slots ``i`` and ``j``; the KV pools' allocators are the only ones used). Each must match the KV pools'
+    slot counts, page size, layers and device; ``ValueError`` / ``TypeError`` naming the one that does not."""
+    if not isinstance(sidecars, (list, tuple)):
+        raise TypeError(f"sidecars: expected a list of (DeviceKVPool, HostKVPool) pairs, got {type(sidecars).__name__}")
+    out = []
+    for i, pair in enumerate(sidecars):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], DeviceKVPool)
+                and isinstance(pair[1], HostKVPool) and pair[1].device_pool is pair[0]):  # fmt: skip
+            raise TypeError(f"sidecars[{i}]: expected a (DeviceKVPool, HostKVPool over it) pair")
+        d, h = pair
+        for what, got, want in (
+            ("device slots", d.size, device_pool.size),
+            ("host slots", h.size, host_pool.size),
+            ("page_size", d.page_size, device_pool.page_size),
+            ("num_layers", d.num_layers, device_pool.num_layers),
+            ("device", torch.device(d.device), torch.device(device_pool.device)),
+            ("pinned host memory", h.pinned, host_pool.pinned),
+        ):
+            if got != want:
+                raise ValueError(f"sidecars[{i}]: {what} {got} differ from the KV pools' {want}")
+        out.append((d, h))
+    return out
+
+
 @dataclass
 class _Op:
     kind: str  # "write" or "load"
@@ -173,6 +201,7 @@ class HiCacheController:
         threaded: bool | None = None,
         layer_wise: bool = True,
         device_model: Any = None,
+        sidecars: Any = (),
     ) -> None:
         if not isinstance(io_backend, IOBackend) and io_backend not in IO_BACKENDS:
             raise ValueError(
@@ -201,8 +230,15 @@ class HiCacheController:
         # Validate the pools once; every copy then checks only its indices.
         self.binding = KVBinding(device_pool.device_k, device_pool.device_v, host_pool.buffer,
                                  layout=host_pool.layout, page_size=host_pool.page_size)  # fmt: skip
+        self.sidecars = check_sidecars(sidecars, device_pool, host_pool)
+        # Every pool pair a copy moves: (binding, device pool, host pool), the KV's first.
+        self.pool_pairs = [(self.binding, device_pool, host_pool)] + [
+            (KVBinding(d.device_k, d.device_v, h.buffer, layout=h.layout, page_size=h.page_size), d, h)
+            for d, h in self.sidecars
+        ]
         if on_gpu:  # compiled / loaded now, not by the first copies mid-serving (nothing is copied)
-            self.binding.warm(self.backend)
+            for b, _, _ in self.pool_pairs:
+                b.warm(self.backend)
         self.write_policy = write_policy
         self.tp_group = tp_group
         self.threaded = (not on_gpu) if threaded is None else bool(threaded)
@@ -412,23 +448,31 @@ class HiCacheController:
 
     def _issue(self, op: _Op, stream: Any) -> None:
         """Launch ``op``'s copies on ``stream`` (which :meth:`_run` made wait for its ready event)."""
-        dp, hp = self.device_pool, self.host_pool
+        dp = self.device_pool
         d_idx, h_idx = op.device_indices, op.host_indices
-        # The pools were validated once (self.binding); each op checks its indices once.
+        # The pools were validated once (self.binding and the sidecars'); each op checks its indices once.
+        # A sidecar pool's copies go with the KV's, on the same stream before the op's done event: one
+        # ack covers both, so a page is never backed up or loaded half (KV without its sidecar).
+        pairs = self.pool_pairs
         if op.kind == "write":
-            work = lambda s: self.binding.backup(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
-            self._launch(stream, work, op, (dp, d_idx), (hp, h_idx), None)
+            for b, d, h in pairs:
+                work = lambda s, b=b: b.backup(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
+                self._launch(stream, work, op, (d, d_idx), (h, h_idx), None)
             return
         if self.layer_wise:
-            # Indices checked and moved once per batch; each layer is one prepared launch.
+            # Indices checked and moved once per batch; each layer is one prepared launch per pool.
             backend_stream = stream if self.on_gpu else None
-            loads = LayerLoads(self.binding, d_idx, h_idx, backend=self.backend, stream=backend_stream)
+            loads = [(LayerLoads(b, d_idx, h_idx, backend=self.backend, stream=backend_stream), d, h)
+                     for b, d, h in pairs]  # fmt: skip
             for layer in range(dp.num_layers):
-                self._launch(stream, lambda s, layer=layer: loads(layer), op, (hp, h_idx), (dp, d_idx), layer)
-                self.layer_counter.layer_issued(layer, stream, op.generation)
+                for load, d, h in loads:
+                    work = lambda s, layer=layer, load=load: load(layer)  # noqa: E731
+                    self._launch(stream, work, op, (h, h_idx), (d, d_idx), layer)
+                self.layer_counter.layer_issued(layer, stream, op.generation)  # the layer of every pool
             return
-        work = lambda s: self.binding.load(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
-        self._launch(stream, work, op, (hp, h_idx), (dp, d_idx), None)
+        for b, d, h in pairs:
+            work = lambda s, b=b: b.load(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
+            self._launch(stream, work, op, (h, h_idx), (d, d_idx), None)
         for layer in range(dp.num_layers):
             self.layer_counter.layer_issued(layer, stream, op.generation)
 
