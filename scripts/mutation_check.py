@@ -449,6 +449,15 @@ MUTANTS = [
         "                     for b, d, h in pairs[:1]]  # fmt: skip",
         ("tests/cache/test_sidecar_pools.py",),
     ),
+    Mutant(
+        "sidecar-unkeyed-in-storage",
+        "the storage namespace leaves the sidecar pools out: a cache whose sidecar has another host layout "
+        "reads a stored page's sidecar rows in the wrong order (34 #1)",
+        "python/hicache/storage/keys.py",
+        "        if not self.sidecars:\n",
+        "        if True:\n",
+        ("tests/cache/test_sidecar_pools.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

@@ -20,15 +20,17 @@ SIDE_ELEMS = 328  # 656-byte bf16 rows (sglang#31600's indexer rows)
 TOKENS = [(13 * i + 7) % 800 for i in range(32)]
 
 
-def make(layout: str = "page_first", io_backend: str = "direct", sidecar_layout: str = "page_first"):
-    dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
-                       dtype=torch.float32, device="cpu", page_size=PAGE)  # fmt: skip
+def make(layout: str = "page_first", io_backend: str = "direct", sidecar_layout: str = "page_first", *,
+         mla: bool = False, side_elems: int = SIDE_ELEMS, with_sidecar: bool = True, **kw):  # fmt: skip
+    dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=1 if mla else HEAD_NUM, head_dim=HEAD_DIM,
+                       dtype=torch.float32, device="cpu", page_size=PAGE, mla=mla)  # fmt: skip
     host = HostKVPool(dev, layout=layout, ratio=2.0, safety_margin_gb=0.0)
-    side_dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=1, head_dim=SIDE_ELEMS,
+    side_dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=1, head_dim=side_elems,
                             dtype=torch.bfloat16, device="cpu", page_size=PAGE, mla=True)  # fmt: skip
     side_host = HostKVPool(side_dev, layout=sidecar_layout, ratio=2.0, safety_margin_gb=0.0)
     cache = HiRadixCache(dev, host, io_backend=io_backend, write_policy="write_through", threaded=False,
-                         load_back_threshold=1, sidecars=[(side_dev, side_host)])  # fmt: skip
+                         load_back_threshold=1, sidecars=[(side_dev, side_host)] if with_sidecar else [],
+                         **kw)  # fmt: skip
     return cache, side_dev, side_host
 
 
@@ -118,6 +120,49 @@ def test_a_failed_sidecar_copy_fails_the_page(monkeypatch):
         cache.verify()
 
 
+def _stored(tmp_path, **kw):
+    from hicache.storage import FileBackend
+    from hicache.storage.tier import PrefetchPolicy
+
+    return dict(storage=FileBackend(tmp_path), model_id="m", mla=True,
+                prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE), **kw)  # fmt: skip
+
+
+def test_stored_pages_carry_their_sidecar_rows(tmp_path):
+    """MLA pages with an indexer sidecar stored by one cache come back into a fresh cache with their
+    sidecar rows, byte for byte; a cache without the sidecar, or with another (another row size, or the
+    same bytes in another host layout, which would land in another order), reads none of them."""
+    a, side_a, _ = make(**_stored(tmp_path))
+    with a:
+        prefill(a, side_a, TOKENS)
+        a.flush()
+        a.check_storage()
+        a.flush()
+    for other in ({"with_sidecar": False}, {"side_elems": SIDE_ELEMS + 2}, {"sidecar_layout": "layer_first"}):
+        c, _, _ = make(**_stored(tmp_path, **other))
+        with c:
+            assert c.prefetch_from_storage("r", c.root, TOKENS) is True
+            while not c.check_prefetch_progress("r"):
+                pass
+            assert c.match_prefix(TOKENS).host_hit_length == 0, other
+    b, side_b, _ = make(**_stored(tmp_path))
+    with b:
+        for layer in range(NUM_LAYERS):
+            side_b.device_k[layer].view(torch.uint8).fill_(0xA5)
+        assert b.prefetch_from_storage("r", b.root, TOKENS) is True
+        while not b.check_prefetch_progress("r"):
+            pass
+        m = b.match_prefix(TOKENS)
+        assert m.host_hit_length == len(TOKENS)
+        assert b.load_back(m.last_host_node) is not None
+        b.start_loading()
+        b.flush()
+        slots = b.match_prefix(TOKENS).device_indices
+        check_kv(b, TOKENS, slots)
+        check_side(b, side_b, TOKENS, slots)
+        b.verify()
+
+
 def test_sidecars_must_match_the_kv_pools():
     cache, side_dev, side_host = make()
     cache.close()
@@ -134,6 +179,6 @@ def test_sidecars_must_match_the_kv_pools():
     for sidecars, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
             HiRadixCache(dev, host, io_backend="direct", threaded=False, sidecars=sidecars)
-    with pytest.raises(ValueError, match="sidecars: a storage tier"):
+    with pytest.raises(ValueError, match="sidecars: a storage tier stores sidecar pools with MLA pages only"):
         HiRadixCache(dev, host, io_backend="direct", threaded=False, sidecars=[(side_dev, side_host)],
                      storage="file", storage_config={"path": "/tmp/unused"}, model_id="m")  # fmt: skip

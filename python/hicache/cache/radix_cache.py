@@ -99,8 +99,9 @@ class HiRadixCache:
     sidecars : per-token pools beside the KV, ``(DeviceKVPool, HostKVPool)`` pairs sharing the KV pools'
         slot numbering (a sparse-attention indexer's FP8 keys and scales, in any item shape): every
         backup and load-back moves them with the KV in one acknowledged copy, so a page is never on a
-        tier without its sidecar (:func:`hicache.controller.controller.check_sidecars`). Not with a
-        storage tier yet (``ValueError``).
+        tier without its sidecar (:func:`hicache.controller.controller.check_sidecars`). With a storage
+        tier (MLA pages only, else ``ValueError``) each stored page object carries the sidecars' rows after
+        the KV, and the namespace describes them: pages stored with sidecars are read only with them.
     """
 
     # The components (each owns its state; this class composes them and checks the calls):
@@ -152,10 +153,6 @@ class HiRadixCache:
         )  # fmt: skip
         if controller is not None and sidecars:
             raise ValueError("sidecars: give them to the controller (HiCacheController(..., sidecars=...))")
-        if self.controller.sidecars and storage is not None:
-            if self._owns_controller:
-                self.controller.close(drain=False)
-            raise ValueError("sidecars: a storage tier does not store sidecar pools yet; give storage=None")
         self.write_policy = self.controller.write_policy
         self.policy = get_policy(eviction_policy)
         self.page_size = device_pool.page_size

@@ -37,6 +37,7 @@ import torch
 from ..controller.controller import HiCacheController
 from ..pools import HostKVPool
 from ..storage import Namespace, StorageBackend, create_backend, page_keys
+from ..storage.keys import sidecar_description
 from ..storage.tier import Prefetch, PrefetchPolicy, StorageTier
 from ..streams.devices import KVRegion
 from ..tree.nodes import copy_chain
@@ -60,6 +61,7 @@ def create_tier(
     threaded: bool,
     head_group: int = 1,
 ) -> StorageTier | None:
+    sidecars = [h for _, h in controller.sidecars]
     """The storage tier ``HiRadixCache(storage=...)`` asks for (None without ``storage``); the arguments
     are the cache's (``ValueError`` naming ``model_id`` when it is missing, ``head_group`` when it does
     not divide the host pool's heads: both before a backend is built)."""
@@ -74,9 +76,13 @@ def create_tier(
         import torch.distributed as dist  # noqa: PLC0415
 
         tp = {"tp_rank": dist.get_rank(group), "tp_size": dist.get_world_size(group)}
-    namespace = Namespace.for_pool(host_pool, model_id, salt=storage_salt, head_group=head_group, **tp)
+    namespace = Namespace.for_pool(host_pool, model_id, salt=storage_salt, head_group=head_group,
+                                   sidecars=tuple(sidecar_description(h) for h in sidecars), **tp)  # fmt: skip
+    if sidecars and not host_pool.mla:
+        raise ValueError("sidecars: a storage tier stores sidecar pools with MLA pages only (one object a page)")
     backend = create_backend(storage, storage_config) if isinstance(storage, str) else storage
-    return StorageTier(backend, host_pool, namespace, controller.agree_min, policy, threaded=threaded)
+    return StorageTier(backend, host_pool, namespace, controller.agree_min, policy, threaded=threaded,
+                       sidecars=sidecars)  # fmt: skip
 
 
 class HeldHostSlots:

@@ -50,6 +50,9 @@ class Namespace:
     head_group : K/V heads per stored MHA object (:mod:`hicache.storage.objects`); deployments share
         pages only with the same group size. Ignored for MLA.
     salt : optional; deployments with different salts never share pages (e.g. tenants).
+    sidecars : one description per sidecar pool stored with each page (its dtype, row elements and host
+        layout, :func:`sidecar_description`); a page stored with sidecars is never read without them, or
+        with others. Left out of the digest when empty (the digests of pools without sidecars stay).
     """
 
     model_id: str
@@ -64,6 +67,7 @@ class Namespace:
     tp_size: int = 1
     salt: str | None = None
     head_group: int = 1
+    sidecars: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -112,6 +116,10 @@ class Namespace:
         fields = asdict(self)
         for name in ("tp_rank", "tp_size"):
             fields.pop(name)
+        if not self.sidecars:
+            fields.pop("sidecars")
+        else:
+            fields["sidecars"] = list(self.sidecars)
         if self.mla:
             fields.pop("head_group")
         else:
@@ -120,6 +128,13 @@ class Namespace:
             fields["objects"] = "head-groups"
         blob = json.dumps({"hicache-namespace": 2, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).digest()
+
+
+def sidecar_description(host_pool: object) -> str:
+    """What a sidecar host pool's stored bytes depend on: ``"<dtype>:<layers>x<heads>x<head_dim>@<layout>"``."""
+    p = host_pool
+    dtype = str(p.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+    return f"{dtype}:{p.num_layers}x{p.head_num}x{p.head_dim}@{p.layout}"  # type: ignore[attr-defined]
 
 
 def _digest_bytes(value: bytes | str, name: str) -> bytes:

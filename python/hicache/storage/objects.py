@@ -78,6 +78,7 @@ class StoredObjects:
         head_group: int = 1,
         stage_bytes: int = STAGE_BYTES,
         max_pages: int = 128,
+        sidecars: Sequence[Any] = (),
     ) -> None:
         if isinstance(head_group, bool) or not isinstance(head_group, int) or head_group < 1:
             raise ValueError(f"head_group: expected a positive int, got {head_group!r}")
@@ -85,12 +86,17 @@ class StoredObjects:
         self.page_size = host_pool.page_size
         self.mla = bool(host_pool.mla)
         self.buffer = host_pool.buffer
-        self.extra_buffers: tuple[torch.Tensor, ...] = ()
+        self.sidecars = tuple(sidecars)
+        self.extra_buffers: tuple[torch.Tensor, ...] = tuple(s.buffer for s in self.sidecars)
         self.stage_pages = 0
+        if self.sidecars and not self.mla:
+            raise ValueError("sidecars: a storage tier stores sidecar pools with MLA pages only (one object a "
+                             "page); an MHA page's head-group objects have no place for them yet")  # fmt: skip
         if self.mla:
             self.head_group = 0
             self.objects_per_page, self.first_group = 1, 0
-            self.page_bytes = host_pool.page_bytes
+            # A page's object: the KV page, then each sidecar's rows of the page.
+            self.page_bytes = host_pool.page_bytes + sum(s.page_bytes for s in self.sidecars)
             self.zero_copy = True
             return
         heads = host_pool.head_num
@@ -155,7 +161,10 @@ class StoredObjects:
         """Each object's memory as ``(address, nbytes)`` ranges, for the pages of ``slots`` (host slots,
         or staging slots from :meth:`store_slots`), page by page, ``objects_per_page`` each."""
         if self.mla:
-            return self.host_pool.page_ranges(slots)
+            pages = self.host_pool.page_ranges(slots)
+            for side in self.sidecars:
+                pages = [a + b for a, b in zip(pages, side.page_ranges(slots), strict=True)]
+            return pages
         size, ps = self.host_pool.size, self.page_size
         if not self.zero_copy:  # staging slots (store_slots): one run per object
             if not len(slots):

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -148,6 +148,8 @@ class StorageTier:
     policy : the :class:`PrefetchPolicy`.
     threaded : run backups, hit queries and prefetch reads on the tier's three threads (default). ``False`` runs each
         inline when it is submitted (as the controller's ``threaded=False``): deterministic, for tests.
+    sidecars : the sidecar host pools (sharing ``host_pool``'s slots) whose rows each page's object carries
+        after the KV (MLA pages only; the namespace must describe them: ``Namespace.sidecars``).
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class StorageTier:
         agree_min: Callable[[int], int],
         policy: PrefetchPolicy | None = None,
         threaded: bool = True,
+        sidecars: Sequence[Any] = (),
     ) -> None:
         if not isinstance(backend, StorageBackend):
             raise TypeError(f"storage: expected a StorageBackend (or a backend name), got {type(backend).__name__}")
@@ -168,7 +171,8 @@ class StorageTier:
         self.policy = policy or PrefetchPolicy()
         self.page_size = host_pool.page_size
         self.objects = StoredObjects(host_pool, tp_rank=namespace.tp_rank, tp_size=namespace.tp_size,
-                                     head_group=namespace.head_group, max_pages=self.policy.batch_pages)  # fmt: skip
+                                     head_group=namespace.head_group, max_pages=self.policy.batch_pages,
+                                     sidecars=sidecars)  # fmt: skip
         # A batch is at most a staging area's pages (staged objects).
         self._batch = min(self.policy.batch_pages, self.objects.stage_pages or self.policy.batch_pages)
         self.backend = backend.attach(self.objects)
