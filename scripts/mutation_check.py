@@ -49,7 +49,9 @@ _LAUNCH_LAYER = (
     "                    work = lambda s, layer=layer, load=load: load(layer)  # noqa: E731\n"
     "                    self._launch(stream, work, op, (h, h_idx), (d, d_idx), layer)\n"
 )
-_SIGNAL_LAYER = "                self.layer_counter.layer_issued(layer, stream, op.generation)  # the layer of every pool\n"
+_SIGNAL_LAYER = (
+    "                self.layer_counter.layer_issued(layer, stream, op.generation)  # the layer of every pool\n"
+)
 _WAIT_READY = (
     "                if op.ready is not None:  # the copy's data is ready (nothing waits here)\n"
     "                    stream.wait_event(op.ready)\n"
