@@ -435,8 +435,7 @@ MUTANTS = [
     ),
     Mutant(
         "sidecar-not-backed-up",
-        "a backup copies the KV but not its sidecar pool: the host holds pages without their indexer rows "
-        "(34 #1)",
+        "a backup copies the KV but not its sidecar pool: the host holds pages without their indexer rows (34 #1)",
         "python/hicache/controller/controller.py",
         '        if op.kind == "write":\n            for b, d, h in pairs:\n',
         '        if op.kind == "write":\n            for b, d, h in pairs[:1]:\n',
