@@ -459,6 +459,15 @@ MUTANTS = [
         "        if True:\n",
         ("tests/cache/test_sidecar_pools.py",),
     ),
+    Mutant(
+        "engine-indexer-off-the-cache",
+        "the engine keeps the indexer's keys in a pool of its own beside a cache: a prefix from the cache "
+        "comes back without its index keys and the indexer picks other tokens (34 #2)",
+        "python/hicache/serving/engine.py",
+        "                self.index = found[0]",
+        "                self.index = index_pool(c, pool.size, pool.page_size, pool.device)",
+        ("tests/serving/test_engine.py::test_indexer_model_served_equals_recompute",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

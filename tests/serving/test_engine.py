@@ -628,3 +628,40 @@ def test_tenants_sharing_a_system_prompt_never_hit_each_others_pages(tmp_path, m
 
     reqs = [Request(prompts[k], 3, rid=k) for k in prompts]
     check_against_recompute(model, reqs, results)
+
+
+@pytest.mark.parametrize("tier", ["host", "storage"])
+def test_indexer_model_served_equals_recompute(tmp_path, tier):
+    """An MLA model with a DeepSeek V3.2-style indexer (index keys in a sidecar pool; each query attends
+    to its top-4 earlier tokens by index score): its prefixes come back from the host, or from a second
+    instance's store, with their index keys, and every token and logit equals recompute's, bit for bit.
+    A prefix loaded without its index keys would pick other tokens."""
+    from hicache.serving.model import index_pool
+
+    cfg = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4)
+    model = TinyLM(cfg)
+
+    def cache_over(pool, **kw):
+        side = index_pool(cfg, pool.size, PAGE)
+        sidecars = [(side, HostKVPool(side, ratio=8.0, safety_margin_gb=0.0))]
+        return make_cache(pool, threaded=False, sidecars=sidecars, **kw)
+
+    kw = {}
+    if tier == "storage":
+        kw = dict(storage=FileBackend(tmp_path), model_id="m",
+                  prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
+        first_pool = cfg.pool(512, PAGE)
+        with cache_over(first_pool, **kw) as first:
+            serve_and_compare(Engine(model, first_pool, first), model, clients=3, turns=3)
+            first.flush()
+            first.check_storage()
+            first.flush()
+        kw["storage"] = FileBackend(tmp_path)
+    pool = cfg.pool(48, PAGE)  # small: earlier turns are evicted to the host between turns
+    with cache_over(pool, **kw) as cache:
+        stats = serve_and_compare(Engine(model, pool, cache), model, clients=3, turns=3)
+        cache.flush()
+        cache.verify()
+        assert sum(r.host_hit for r in stats) > 0, "nothing came back from the host"
+        if tier == "storage":
+            assert cache.metrics.storage_hit_tokens > 0

@@ -53,6 +53,7 @@ from hicache_kernels.benchutil.output import git_commit
 from ..cache.radix_cache import HiRadixCache
 from ..pools import HostKVPool
 from ..serving.engine import Engine, GenerationResult, ModelConfig, Request, TinyLM
+from ..serving.model import index_pool
 from ..serving.workloads import Clients, Turn, longest_per_client, longqa, multitenant, multiturn
 from ..storage import FileBackend
 from ..storage.tier import PrefetchPolicy
@@ -97,6 +98,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
         host_ratio = args.storage_host_ratio if mode == "storage" else args.host_ratio
         host = HostKVPool(pool, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5)
         kw: dict[str, Any] = dict(io_backend=args.io_backend, load_back_threshold=args.page_size)
+        if cfg.indexer_dim:  # the indexer's keys: a sidecar pool moved with the KV on every tier
+            side = index_pool(cfg, pool.size, args.page_size, args.device)
+            kw["sidecars"] = [(side, HostKVPool(side, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5))]
         if mode == "device":  # never backed up: eviction deletes (selective backup that never triggers)
             kw.update(write_policy="write_through_selective", write_through_threshold=2**62)
         else:
@@ -270,6 +274,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--ffn", type=int, default=None, help="the MLP's width (default 2 x --hidden)")
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--mla", action="store_true", help="an MLA model (a latent per token; --kv-lora elements)")
+    p.add_argument("--kv-lora", type=int, default=32)
+    p.add_argument("--indexer-dim", type=int, default=0,
+                   help="a sparse-attention indexer (DeepSeek V3.2 style): index keys of this many "
+                        "elements in a sidecar pool, each query attending to its --index-topk best "
+                        "earlier tokens (0: none)")  # fmt: skip
+    p.add_argument("--index-topk", type=int, default=16)
     p.add_argument("--fast", action="store_true", help="matmuls and fused attention (not bit-exact; for GPUs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the pools, the model and the copies on the GPU)")
@@ -305,6 +316,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-prefill-tokens: expected >= 1")
     if a.host_ratio is not None and a.host_ratio <= 0:
         p.error("--host-ratio: expected > 0")
+    if a.indexer_dim < 0 or a.index_topk < 1 or a.kv_lora < 1:
+        p.error("--indexer-dim: expected >= 0; --index-topk, --kv-lora: expected >= 1")
+    if a.indexer_dim and not a.mla and "storage" in a.modes:
+        p.error("--indexer-dim: the storage mode stores sidecar pools with MLA pages only: add --mla or drop "
+                "the storage mode")  # fmt: skip
     return a
 
 
@@ -353,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     turns, prompt_of = {"multiturn": multiturn, "multitenant": multitenant, "longqa": longqa}[a.workload](a, r)
     cfg = ModelConfig(num_layers=a.layers, hidden=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads,
                       head_dim=a.head_dim, ffn=a.ffn or 2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
-                      dtype=getattr(torch, a.dtype))  # fmt: skip
+                      dtype=getattr(torch, a.dtype), mla=a.mla, kv_lora=a.kv_lora, indexer_dim=a.indexer_dim,
+                      index_topk=a.index_topk)  # fmt: skip
     model = TinyLM(cfg, a.device)
     longest = max(longest_per_client(turns, prompt_of, a.output_len).values())
     sizes = pool_sizes(a, turns, prompt_of)
@@ -383,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     # The pool's real share of what it was sized from (its floor of two requests can make it larger).
     target = serving_target(results, slots / sizes.sized_from, torch.device(a.device).type == "cuda")
     order = cpu_ordering(results)
+    # Every mode's answers against recompute's (equal on CPU float32, where the model is exact).
+    ref = next((x for x in results if x["mode"] == "recompute"), None)
+    if ref is not None:
+        want = {(r["client"], r["round"]): r["answer"] for r in ref["rows"]}
+        for x in results:
+            x["answers_equal_recompute"] = all(want[(r["client"], r["round"])] == r["answer"] for r in x["rows"])
     if target["measured"] is not None:
         print(f"target: {target['target']}: {target['measured']:.3f} (<= {TARGET_RATIO}): {target['status']}"
               + (f" ({target['note']})" if "note" in target else ""))  # fmt: skip

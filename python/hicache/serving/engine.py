@@ -28,7 +28,7 @@ import torch
 from ..cache.radix_cache import HiRadixCache
 from ..pools import DeviceKVPool
 from ..streams.devices import KVRegion
-from .model import ModelConfig, TinyLM
+from .model import ModelConfig, TinyLM, index_pool
 
 __all__ = ["Engine", "FixedArrivals", "GenerationResult", "ModelConfig", "Request", "RequestSource", "TinyLM"]
 
@@ -170,6 +170,18 @@ class Engine:
         self.pool = pool
         self.cache = cache
         self._requests = 0  # storage prefetch ids
+        # A model with an indexer writes and reads its index keys in a sidecar pool beside the KV: the
+        # cache's (which moves it with the KV on every tier), or the engine's own without a cache.
+        self.index: DeviceKVPool | None = None
+        if c.indexer_dim:
+            if cache is None:
+                self.index = index_pool(c, pool.size, pool.page_size, pool.device)
+            else:
+                found = [d for d, _ in cache.controller.sidecars if (d.head_num, d.head_dim) == (1, c.indexer_dim)]
+                if not found:
+                    raise ValueError("cache: the model's indexer needs a sidecar pool in the cache "
+                                     "(HiRadixCache(..., sidecars=[(index_pool(...), HostKVPool(...))]))")  # fmt: skip
+                self.index = found[0]
 
     # ------------------------------------------------------------------ one request in and out
     def _room(self, n: int) -> bool:
@@ -407,7 +419,8 @@ class Engine:
                 # The KV this step's forward reads (every sequence's slots before its new tokens), for a
                 # device that checks reads against copies still in flight (the deferred model).
                 read = [slots[:start] for _, start, slots in seqs if start] if device.tracks_regions else []
-                regions = [[KVRegion(self.pool, torch.cat(read), (layer,))] if read else []
+                pools = [self.pool] if self.index is None else [self.pool, self.index]
+                regions = [[KVRegion(p, torch.cat(read), (layer,)) for p in pools] if read else []
                            for layer in range(self.pool.num_layers)]  # fmt: skip
 
                 def wait_and_check(layer: int) -> None:
@@ -423,11 +436,13 @@ class Engine:
                 if device.tracks_regions:  # the forward's K/V writes are work on the current stream
                     current = device.current_stream()
 
-                    def write_kv(layer: int, slots: torch.Tensor, write: Callable[[], None]) -> None:
-                        device.launch(current, lambda _: write(), writes=[KVRegion(self.pool, slots, (layer,))],
+                    def write_kv(layer: int, slots: torch.Tensor, write: Callable[[], None], pool=None) -> None:
+                        region = KVRegion(pool if pool is not None else self.pool, slots, (layer,))
+                        device.launch(current, lambda _: write(), writes=[region],
                                       what=f"the forward writing layer {layer}")  # fmt: skip
 
-            logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True, write_kv=write_kv)
+            logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True, write_kv=write_kv,
+                                              index=self.index)  # fmt: skip
         except BaseException:  # a load that could not start, a failed wait or forward: give back what new hold
             if device is not None:  # but first let the layers already issued finish writing into those slots
                 device.current_stream().synchronize()

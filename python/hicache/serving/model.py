@@ -60,11 +60,19 @@ class ModelConfig:
     exact: bool = True
     mla: bool = False  # cache a kv_lora-element latent per token (an MLA pool) instead of K and V heads
     kv_lora: int = 32
+    # A sparse-attention indexer (DeepSeek V3.2 style): each token's index key (indexer_dim elements)
+    # goes into a sidecar pool beside the KV, and each query attends only to the index_topk earlier
+    # tokens whose keys score highest against its index query. 0: dense attention, no sidecar.
+    indexer_dim: int = 0
+    index_topk: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "kv_lora"):
+        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "kv_lora",
+                     "index_topk"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+        if not isinstance(self.indexer_dim, int) or self.indexer_dim < 0:
+            raise ValueError(f"indexer_dim: expected an int >= 0, got {self.indexer_dim!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: expected a divisor of num_heads ({self.num_heads}), got {self.num_kv_heads}"
@@ -77,6 +85,15 @@ class ModelConfig:
                                 dtype=self.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
         return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=self.num_kv_heads,
                             head_dim=self.head_dim, dtype=self.dtype, device=device, page_size=page_size)  # fmt: skip
+
+
+def index_pool(cfg: ModelConfig, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
+    """The indexer's sidecar pool for ``cfg`` (``cfg.indexer_dim`` elements a token and layer), sharing the
+    KV pool's slot numbering: give it to the cache as ``sidecars=[(pool, HostKVPool(pool, ...))]``."""
+    if not cfg.indexer_dim:
+        raise ValueError("indexer_dim: this model has no indexer (0)")
+    return DeviceKVPool(num_slots=num_slots, num_layers=cfg.num_layers, head_num=1, head_dim=cfg.indexer_dim,
+                        dtype=cfg.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
 
 
 def _put(pools: tuple[torch.Tensor, ...], slots: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
@@ -141,6 +158,9 @@ class TinyLM:
                 {"wq": w(h, q), "wk": w(h, kv), "wv": w(h, kv), "wo": w(q, h), "w1": w(h, f), "w2": w(f, h)}
                 for _ in range(cfg.num_layers)
             ]
+        if cfg.indexer_dim:
+            for layer in self.layers:
+                layer["wiq"], layer["wik"] = w(h, cfg.indexer_dim), w(h, cfg.indexer_dim)
         self.head = w(h, cfg.vocab)
         inv = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
         self._inv_freq = inv
@@ -178,17 +198,22 @@ class TinyLM:
         seqs: list[tuple[list[int], int, torch.Tensor]],
         wait_layer: Callable[[int], None] | None = None,
         last_only: bool = False,
-        write_kv: Callable[[int, torch.Tensor, Callable[[], None]], None] | None = None,
+        write_kv: Callable[..., None] | None = None,
+        index: DeviceKVPool | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`forward` for several sequences at once, ``(tokens, start, slots)`` each: the rows of all
         of them go through each projection together; attention stays within each sequence (a prefill
         and the decode steps of other requests can share one call). ``last_only``: the logits of each
         sequence's last token only (``[1, vocab]`` each; the output projection skips the other rows).
 
-        The new tokens' K/V (latents) go into the pool by ``write_kv(layer, slots, write)`` (default: the
-        write runs at once): an engine under a device model that completes work later queues it on the
+        The new tokens' K/V (latents) go into the pool by ``write_kv(layer, slots, write, pool)`` (default:
+        the write runs at once): an engine under a device model that completes work later queues it on the
         current stream. Attention reads the prefix from the pool and the new tokens' K/V from the
-        projection itself, the same values, so it never reads back a write still in flight."""
+        projection itself, the same values, so it never reads back a write still in flight.
+
+        ``index``: the indexer's sidecar pool (:func:`index_pool`), for a model with ``indexer_dim``: the
+        new tokens' index keys are written there (the same way) and the prefix's read from it; a query
+        attends to the ``index_topk`` earlier tokens its index query scores highest (itself always)."""
         cfg = self.cfg
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
@@ -201,10 +226,14 @@ class TinyLM:
         x = self.embed[ids] + torch.cat([self.positions(start, len(t)) for t, start, _ in seqs])
         scale = 1.0 / math.sqrt(d)
         mm = _rowmm if cfg.exact else torch.matmul
-        put = write_kv if write_kv is not None else (lambda layer, slots, write: write())
+        put = write_kv if write_kv is not None else (lambda layer, slots, write, pool=None: write())
+        if cfg.indexer_dim and index is None:
+            raise ValueError("index: this model has an indexer; give its sidecar pool (index_pool)")
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
             q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)[:, q0 : q0 + hq]
+            if cfg.indexer_dim:
+                iq_all, ik_all = mm(a, layer["wiq"]), mm(a, layer["wik"])
             if cfg.mla:
                 new = mm(a, layer["wdkv"])
             else:
@@ -231,7 +260,14 @@ class TinyLM:
                     vals = torch.cat([pv[slots[:start]], v_new])
                     if cfg.exact or not _SDPA_GQA:  # every query head its K/V head's copy: [S, Hq, d]
                         keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
-                outs.append(self._attend(q, keys, vals, start, scale))
+                allowed = None
+                if cfg.indexer_dim:
+                    pik = index.kv[li]
+                    ik = ik_all[row : row + m].view(m, 1, cfg.indexer_dim).to(pik.dtype)
+                    put(li, into, partial(_put, (pik,), into, (ik,)), index)
+                    ikeys = torch.cat([pik[slots[:start]], ik]).view(start + m, cfg.indexer_dim)
+                    allowed = self._select(iq_all[row : row + m], ikeys, start)
+                outs.append(self._attend(q, keys, vals, start, scale, allowed))
                 row += m
             out = torch.cat(outs)
             if self.tp_group is not None:  # every rank's heads, in head order, before the output projection
@@ -246,11 +282,27 @@ class TinyLM:
         logits = mm(_rmsnorm(x), self.head)
         return list(logits.split(lens))
 
+    def _select(self, iq: torch.Tensor, ikeys: torch.Tensor, start: int) -> torch.Tensor:
+        """The indexer's choice: ``[m, S]`` booleans, True where query ``i`` (position ``start + i``) may
+        attend: its own token and the ``index_topk`` earlier ones whose index keys score highest (each
+        query's scores one fixed-length reduction per key, so a prefix from the cache scores the same)."""
+        m, s_all = len(iq), len(ikeys)
+        allowed = torch.zeros(m, s_all, dtype=torch.bool, device=self.device)
+        for i in range(m):
+            s = start + i  # earlier tokens
+            allowed[i, s] = True
+            if s:
+                scores = (iq[i][None] * ikeys[:s].to(iq.dtype)).sum(-1)
+                allowed[i, scores.topk(min(self.cfg.index_topk, s)).indices] = True
+        return allowed
+
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, scale: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, scale: float,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Causal attention of queries at positions ``start ..`` over ``keys``/``vals`` ``[S, H, d]``
-        (``H`` the query heads, or on the fast path the K/V heads, which SDPA groups itself)."""
+        (``H`` the query heads, or on the fast path the K/V heads, which SDPA groups itself); with
+        ``allowed`` (``[m, S]``, the indexer's choice) only over the keys it allows."""
         cfg = self.cfg
         m = len(q)
         if cfg.exact:
@@ -262,15 +314,19 @@ class TinyLM:
             for i in range(m):  # each query over exactly its own prefix: shapes independent of the batch
                 s = start + i + 1
                 scores = (q[i][None] * keys[:s]).sum(-1).t().contiguous()  # [Hq, s]
+                if allowed is not None:
+                    scores = scores.masked_fill(~allowed[i, :s][None], float("-inf"))
                 p = torch.softmax(scores * scale, dim=-1)
                 out[i] = (p[:, None, :] * vals_t[:, :, :s]).sum(-1)
             return out
         kw: dict = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
-        if m > 1:  # a decode step's one query sees every key: no mask
+        if m > 1 or allowed is not None:  # a dense decode step's one query sees every key: no mask
             kw["attn_mask"] = (
                 torch.arange(start + m, device=self.device)[None]
                 <= torch.arange(start, start + m, device=self.device)[:, None]
             )
+            if allowed is not None:
+                kw["attn_mask"] = kw["attn_mask"] & allowed
         return torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), **kw
         ).transpose(0, 1)
