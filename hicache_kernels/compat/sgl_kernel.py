@@ -57,11 +57,11 @@ from .._validate import int_arg
 from ..backends import IOBackend, KernelBackend, get_backend
 from ..launch import device_alias
 from ..plan import Route
-from ._direct import (
-    transfer_embedding_ranges_direct,
-    transfer_kv_all_layer_direct_lf_pf,
-    transfer_kv_direct,
-    transfer_kv_per_layer_direct_pf_lf,
+from ._direct import (  # wrapped and exported below (_FUNCTIONS)
+    transfer_embedding_ranges_direct,  # noqa: F401
+    transfer_kv_all_layer_direct_lf_pf,  # noqa: F401
+    transfer_kv_direct,  # noqa: F401
+    transfer_kv_per_layer_direct_pf_lf,  # noqa: F401
 )
 from ._routes import (
     cached_route,
@@ -515,7 +515,8 @@ def transfer_kv_mamba_lf_pf(
     transfer_kv_all_layer_mla_lf_pf(src_ptrs, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers)
 
 
-for _name in (
+#: The functions: each raises ArgumentError / ArgumentTypeError for a bad argument (_torch_check_errors).
+_FUNCTIONS = (
     "get_device_accessible_ptr",
     "transfer_embedding_ranges_direct",
     "transfer_kv_all_layer",
@@ -525,38 +526,18 @@ for _name in (
     "transfer_kv_all_layer_mla",
     "transfer_kv_all_layer_mla_lf_pf",
     "transfer_kv_direct",
+    "transfer_kv_mamba_lf_pf",
+    "transfer_kv_mamba_pf_lf",
     "transfer_kv_per_layer",
     "transfer_kv_per_layer_direct_pf_lf",
     "transfer_kv_per_layer_mla",
     "transfer_kv_per_layer_mla_pf_lf",
     "transfer_kv_per_layer_pf_lf",
     "transfer_kv_per_layer_ph_lf",
-    "transfer_kv_mamba_lf_pf",
-    "transfer_kv_mamba_pf_lf",
     "use_backend",
-):
+)
+for _name in _FUNCTIONS:
     globals()[_name] = _torch_check_errors(globals()[_name])
 del _name
 
-__all__: list[Any] = [
-    "ArgumentError",
-    "ArgumentTypeError",
-    "get_device_accessible_ptr",
-    "transfer_embedding_ranges_direct",
-    "transfer_kv_mamba_lf_pf",
-    "transfer_kv_mamba_pf_lf",
-    "transfer_kv_all_layer",
-    "transfer_kv_all_layer_direct_lf_pf",
-    "transfer_kv_all_layer_lf_pf",
-    "transfer_kv_all_layer_lf_ph",
-    "transfer_kv_all_layer_mla",
-    "transfer_kv_all_layer_mla_lf_pf",
-    "transfer_kv_direct",
-    "transfer_kv_per_layer",
-    "transfer_kv_per_layer_direct_pf_lf",
-    "transfer_kv_per_layer_mla",
-    "transfer_kv_per_layer_mla_pf_lf",
-    "transfer_kv_per_layer_pf_lf",
-    "transfer_kv_per_layer_ph_lf",
-    "use_backend",
-]
+__all__: list[Any] = ["ArgumentError", "ArgumentTypeError", *_FUNCTIONS]

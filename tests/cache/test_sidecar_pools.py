@@ -84,17 +84,22 @@ def test_sidecar_rows_travel_with_their_kv(layout, sidecar_layout, io_backend):
         prefill(cache, side_dev, TOKENS)
         cache.flush()  # write-through: KV and sidecar on the host
         cache.evict(cache.device_pool.size)
-        for layer in range(NUM_LAYERS):  # poison the device copies: only loaded rows may match
-            side_dev.device_k[layer].view(torch.uint8).fill_(0xA5)
-        m = cache.match_prefix(TOKENS)
-        assert len(m.device_indices) == 0 and m.host_hit_length == len(TOKENS)
-        assert cache.load_back(m.last_host_node) is not None
-        cache.start_loading()
-        cache.flush()
-        slots = cache.match_prefix(TOKENS).device_indices
-        check_kv(cache, TOKENS, slots)
-        check_side(cache, side_dev, TOKENS, slots)
-        cache.verify()
+        load_back_and_check(cache, side_dev)
+
+
+def load_back_and_check(cache, side_dev) -> None:
+    """Poison the device sidecar, load TOKENS' host copy back, check every KV and sidecar byte."""
+    for layer in range(NUM_LAYERS):  # only loaded rows may match
+        side_dev.device_k[layer].view(torch.uint8).fill_(0xA5)
+    m = cache.match_prefix(TOKENS)
+    assert len(m.device_indices) == 0 and m.host_hit_length == len(TOKENS)
+    assert cache.load_back(m.last_host_node) is not None
+    cache.start_loading()
+    cache.flush()
+    slots = cache.match_prefix(TOKENS).device_indices
+    check_kv(cache, TOKENS, slots)
+    check_side(cache, side_dev, TOKENS, slots)
+    cache.verify()
 
 
 def test_a_failed_sidecar_copy_fails_the_page(monkeypatch):
@@ -147,20 +152,10 @@ def test_stored_pages_carry_their_sidecar_rows(tmp_path):
             assert c.match_prefix(TOKENS).host_hit_length == 0, other
     b, side_b, _ = make(**_stored(tmp_path))
     with b:
-        for layer in range(NUM_LAYERS):
-            side_b.device_k[layer].view(torch.uint8).fill_(0xA5)
         assert b.prefetch_from_storage("r", b.root, TOKENS) is True
         while not b.check_prefetch_progress("r"):
             pass
-        m = b.match_prefix(TOKENS)
-        assert m.host_hit_length == len(TOKENS)
-        assert b.load_back(m.last_host_node) is not None
-        b.start_loading()
-        b.flush()
-        slots = b.match_prefix(TOKENS).device_indices
-        check_kv(b, TOKENS, slots)
-        check_side(b, side_b, TOKENS, slots)
-        b.verify()
+        load_back_and_check(b, side_b)
 
 
 def test_sidecars_must_match_the_kv_pools():
