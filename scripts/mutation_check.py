@@ -439,7 +439,10 @@ MUTANTS = [
         "python/hicache/controller/controller.py",
         '        if op.kind == "write":\n            for b, d, h in pairs:\n',
         '        if op.kind == "write":\n            for b, d, h in pairs[:1]:\n',
-        ("tests/cache/test_sidecar_pools.py",),
+        (
+            "tests/cache/test_sidecar_pools.py",
+            "tests/cache/test_cache_stress.py::test_random_operations_with_a_sidecar_pool",
+        ),
     ),
     Mutant(
         "sidecar-not-loaded-by-layer",

@@ -43,17 +43,22 @@ def build(
     tp_group=None,
     storage=None,
     prefetch_threshold: int = 1,
+    sidecar: bool = False,
 ) -> HiRadixCache:
     dev = DeviceKVPool(
         num_slots=device_slots, num_layers=L, head_num=H, head_dim=D, dtype=torch.float32, device="cpu",
         page_size=page_size,
     )  # fmt: skip
     host = HostKVPool(dev, layout=layout, ratio=host_ratio)
-    extra = {}
+    extra: dict = {}
+    if sidecar:  # an indexer-style sidecar pool (SIDE elements a token and layer) sharing the KV's slots
+        side = DeviceKVPool(num_slots=device_slots, num_layers=L, head_num=1, head_dim=SIDE, dtype=torch.float32,
+                            device="cpu", page_size=page_size, mla=True)  # fmt: skip
+        extra["sidecars"] = [(side, HostKVPool(side, layout="page_first", ratio=host_ratio))]
     if storage is not None:  # a StorageBackend, or a directory for a FileBackend
         backend = storage if isinstance(storage, StorageBackend) else FileBackend(storage)
         policy = PrefetchPolicy("wait_complete", threshold_tokens=prefetch_threshold, batch_pages=2)
-        extra = dict(storage=backend, model_id="stress", prefetch_policy=policy)
+        extra.update(storage=backend, model_id="stress", prefetch_policy=policy)
     return HiRadixCache(
         dev, host, io_backend="direct", write_policy=write_policy, eviction_policy=eviction_policy,
         threaded=threaded, load_back_threshold=load_back_threshold, tp_group=tp_group, **extra,
@@ -74,15 +79,31 @@ def expected_kv(tokens: list[int] | tuple[int, ...], positions: torch.Tensor) ->
     return fingerprint(key[None, None, :, None, None], _LOW[:, :, None])
 
 
+SIDE = 3  # a sidecar row: 3 float32 a token and layer (another size than the KV's H x D)
+
+
+def expected_side(e: torch.Tensor) -> torch.Tensor:
+    """The sidecar rows of tokens whose KV is ``e`` (:func:`expected_kv`): ``[L, n, 1, SIDE]``, derived
+    from the K (negated, its first SIDE elements): distinct per token, position and layer like the KV."""
+    return -e[0].flatten(2)[..., :SIDE].unsqueeze(2)
+
+
+def _side(cache: HiRadixCache):
+    return cache.controller.sidecars[0][0] if cache.controller.sidecars else None
+
+
 def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start: int) -> None:
     """What a forward pass would write for ``tokens`` at positions ``start...`` into ``slots`` (queued on
-    the current stream under a deferred device model: cachedata.launch_on_current)."""
+    the current stream under a deferred device model: cachedata.launch_on_current), sidecar rows too."""
     if len(slots):
         e = expected_kv(tokens, torch.arange(start, start + len(tokens)))
+        side = _side(cache)
 
         def write() -> None:
             cache.device_pool.k[:, slots] = e[0]
             cache.device_pool.v[:, slots] = e[1]
+            if side is not None:
+                side.kv[:, slots] = expected_side(e)
 
         launch_on_current(cache, slots, write, "the driver's forward writing KV")
 
@@ -90,6 +111,9 @@ def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start:
 def device_kv_ok(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, positions: torch.Tensor) -> bool:
     host_reads(cache)
     e = expected_kv(tokens, positions)
+    side = _side(cache)
+    if side is not None and not torch.equal(side.kv[:, slots], expected_side(e)):
+        return False
     return torch.equal(cache.device_pool.k[:, slots], e[0]) and torch.equal(cache.device_pool.v[:, slots], e[1])
 
 

@@ -98,6 +98,29 @@ def test_random_operations_with_storage(tmp_path, config):
     d.cache.close()
 
 
+SIDECAR_CONFIGS = [
+    dict(page_size=1, write_policy="write_through", eviction_policy="lru", device_slots=48, host_ratio=2.5),
+    dict(page_size=4, write_policy="write_back", eviction_policy="slru", device_slots=64, host_ratio=1.5),
+    dict(page_size=2, write_policy="write_through_selective", eviction_policy="lfu", device_slots=32),
+]
+
+
+@pytest.mark.parametrize("config", SIDECAR_CONFIGS, ids=lambda c: f"ps{c['page_size']}-{c['write_policy']}")
+def test_random_operations_with_a_sidecar_pool(config):
+    """The driver over a cache with an indexer-style sidecar pool: every invariant after every step, and
+    the device copy of every resident node (KV and sidecar rows alike) is what was written, after any
+    sequence of backups, evictions, load-backs, failed inserts and closes."""
+
+    def factory() -> HiRadixCache:
+        return build(sidecar=True, **config)
+
+    d = Driver(factory(), seed=21, check_kv_every=2, max_pages=4 if config["page_size"] > 1 else 8, factory=factory)
+    d.run_random(1500, seed=22)
+    d.drain(sample=4)
+    assert d.counts["load_back_done"] > 0 and d.metric("load_backs") > 0
+    d.cache.close()
+
+
 @pytest.mark.slow
 @settings(
     max_examples=1000, deadline=None,
