@@ -61,12 +61,13 @@ def create_tier(
     threaded: bool,
     head_group: int = 1,
 ) -> StorageTier | None:
-    sidecars = [h for _, h in controller.sidecars]
     """The storage tier ``HiRadixCache(storage=...)`` asks for (None without ``storage``); the arguments
     are the cache's (``ValueError`` naming ``model_id`` when it is missing, ``head_group`` when it does
-    not divide the host pool's heads: both before a backend is built)."""
+    not divide the host pool's heads, ``sidecars`` when the pages are not MLA's: all before a backend is
+    built). The controller's sidecar host pools are stored with their pages."""
     if storage is None:
         return None
+    sidecars = [h for _, h in controller.sidecars]
     if model_id is None or not isinstance(model_id, str) or not model_id:
         raise ValueError("model_id: the storage tier needs the model's id (its bytes depend on the weights)")
     policy = prefetch_policy if isinstance(prefetch_policy, PrefetchPolicy) else PrefetchPolicy(prefetch_policy)
