@@ -421,8 +421,8 @@ MUTANTS = [
         "a request's extra_key no longer moves its tokens into its own namespace: tenants match each "
         "other's prefixes on the device and the host (34 #3)",
         "python/hicache/cache/namespaces.py",
-        "        return arr.astype(np.int64) + (ns << SHIFT)",
-        "        return arr.astype(np.int64)",
+        '        return _ids(tokens, "with an extra_key").astype(np.int64) + (ns << SHIFT)',
+        '        return _ids(tokens, "with an extra_key").astype(np.int64)',
         ("tests/cache/test_request_namespaces.py",),
     ),
     Mutant(

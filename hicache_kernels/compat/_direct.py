@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._ext import cuda_runtime_status
-from .._validate import check_memory, int_arg
+from .._validate import int_arg
 from ..backends import get_backend
 from ..backends.copy_engine import DirectBackend
 from ..fragments import Fragments, TensorMemory
@@ -30,6 +30,7 @@ from ._routes import (
     page_size_arg,
     run_route,
     table_side,
+    tensor_arg,
     tensor_list,
 )
 
@@ -167,9 +168,7 @@ def transfer_kv_per_layer_direct_pf_lf(
 
 
 def _row_tensor(t: Any, name: str) -> tuple[torch.Tensor, int]:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    check_memory(t, name)
+    t = tensor_arg(t, name)
     if t.dim() < 1 or not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor of rows (dim 0), got shape {tuple(t.shape)} "
                          f"strides {tuple(t.stride())}")  # fmt: skip

@@ -80,43 +80,38 @@ STORAGE_CONFIGS = [
 ]
 
 
+def driven(config: dict, seed: int, check_kv_every: int, **build_kw) -> Driver:
+    """The driver over ``build(**build_kw, **config)`` (and the caches its closes make anew) after 1500
+    random steps and a drain; the caller checks its counts and closes it."""
+
+    def factory() -> HiRadixCache:
+        return build(**build_kw, **config)
+
+    max_pages = 4 if config["page_size"] > 1 else 8
+    d = Driver(factory(), seed=seed, check_kv_every=check_kv_every, max_pages=max_pages, factory=factory)
+    d.run_random(1500, seed=seed + 1)
+    d.drain(sample=4)
+    return d
+
+
 @pytest.mark.parametrize("config", STORAGE_CONFIGS, ids=lambda c: f"ps{c['page_size']}-{c['write_policy']}")
 def test_random_operations_with_storage(tmp_path, config):
     """The driver with a file-backed storage tier: backups, prefetches of what host eviction dropped,
     closes and new caches that find the old one's pages; every invariant after every step, and the
     KV that comes back from storage is the KV that was written."""
-    store = tmp_path / "store"
-
-    def factory() -> HiRadixCache:
-        return build(storage=store, **config)
-
-    d = Driver(factory(), seed=11, check_kv_every=4, max_pages=4 if config["page_size"] > 1 else 8, factory=factory)
-    d.run_random(1500, seed=12)
-    d.drain(sample=4)
+    d = driven(config, seed=11, check_kv_every=4, storage=tmp_path / "store")
     assert d.counts["prefetch_done"] > 0 and d.metric("storage_hit_tokens") > 0
     assert d.metric("storage_pages_written") > 0
     d.cache.close()
 
 
-SIDECAR_CONFIGS = [
-    dict(page_size=1, write_policy="write_through", eviction_policy="lru", device_slots=48, host_ratio=2.5),
-    dict(page_size=4, write_policy="write_back", eviction_policy="slru", device_slots=64, host_ratio=1.5),
-    dict(page_size=2, write_policy="write_through_selective", eviction_policy="lfu", device_slots=32),
-]
-
-
-@pytest.mark.parametrize("config", SIDECAR_CONFIGS, ids=lambda c: f"ps{c['page_size']}-{c['write_policy']}")
+@pytest.mark.parametrize("config", STORAGE_CONFIGS, ids=lambda c: f"ps{c['page_size']}-{c['write_policy']}")
 def test_random_operations_with_a_sidecar_pool(config):
-    """The driver over a cache with an indexer-style sidecar pool: every invariant after every step, and
-    the device copy of every resident node (KV and sidecar rows alike) is what was written, after any
-    sequence of backups, evictions, load-backs, failed inserts and closes."""
-
-    def factory() -> HiRadixCache:
-        return build(sidecar=True, **config)
-
-    d = Driver(factory(), seed=21, check_kv_every=2, max_pages=4 if config["page_size"] > 1 else 8, factory=factory)
-    d.run_random(1500, seed=22)
-    d.drain(sample=4)
+    """The driver over a cache with an indexer-style sidecar pool (the storage tests' configurations):
+    every invariant after every step, and the device copy of every resident node (KV and sidecar rows
+    alike) is what was written, after any sequence of backups, evictions, load-backs, failed inserts and
+    closes."""
+    d = driven(config, seed=21, check_kv_every=2, sidecar=True)
     assert d.counts["load_back_done"] > 0 and d.metric("load_backs") > 0
     d.cache.close()
 

@@ -43,11 +43,14 @@ def _tag(extra_key: Any) -> bytes:
     raise TypeError(f"extra_key: expected None, a str, bytes or an int, got {type(extra_key).__name__}")
 
 
-def _ids(tokens: Any) -> np.ndarray:
-    src = token_source(tokens)
-    arr = np.asarray(src)
+def _ids(tokens: Any, when: str) -> np.ndarray:
+    """``tokens`` as a 1-D integer array, every id in ``[0, 2**32)`` (``ValueError`` naming ``tokens`` and
+    ``when`` the rule applies otherwise)."""
+    arr = np.asarray(token_source(tokens))
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(f"tokens: expected a 1-D sequence of integer token ids, got {arr.dtype} {arr.shape}")
+    if arr.size and (int(arr.max()) > LOW_BITS or int(arr.min()) < 0):
+        raise ValueError(f"tokens: token ids must lie in [0, 2**32) {when}")
     return arr
 
 
@@ -82,15 +85,10 @@ class RequestNamespaces:
         ``tokens`` for an id outside ``[0, 2**32)``; ``TypeError`` naming ``extra_key`` for its type."""
         if extra_key is None:
             if len(self._tags) > 1:
-                arr = _ids(tokens)
-                if arr.size and (int(arr.max()) > LOW_BITS or int(arr.min()) < 0):
-                    raise ValueError("tokens: token ids must lie in [0, 2**32) when request namespaces are in use")
+                _ids(tokens, "when request namespaces are in use")
             return tokens
         ns = self.id_of(extra_key)
-        arr = _ids(tokens)
-        if arr.size and (int(arr.max()) > LOW_BITS or int(arr.min()) < 0):
-            raise ValueError("tokens: token ids must lie in [0, 2**32) with an extra_key")
-        return arr.astype(np.int64) + (ns << SHIFT)
+        return _ids(tokens, "with an extra_key").astype(np.int64) + (ns << SHIFT)
 
     def of_token(self, token: int) -> int:
         """The namespace number a held token belongs to (``ValueError`` for an unknown one: a token id

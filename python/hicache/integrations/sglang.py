@@ -448,17 +448,13 @@ class HiCacheKernelsStorage(HiCacheStorage):
         out = []
         for okey, first in zip(pool.keys(keys), firsts, strict=True):
             if write:
-                flat = self._flat(pool.host.get_data_page(first, flat=True)).numpy()
-                stored = bool(self.backend.set(okey, memoryview(flat)))
-                self.backend._count(sets=int(stored), set_failures=int(not stored), bytes_written=flat.size * stored)
-                out.append(stored)
+                out.append(self._store(okey, self._flat(pool.host.get_data_page(first, flat=True)).numpy()))
                 continue
-            data = self.backend.get(okey)
-            if data is None or len(memoryview(data).cast("B")) != pool.page_bytes:
-                self.backend._count(misses=1)
+            data = self._load([okey], pool.page_bytes)
+            if data is None:
                 out.append(False)
                 continue
-            page = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(pool.dtype)
+            page = torch.frombuffer(data, dtype=torch.uint8).view(pool.dtype)
             pool.host.set_from_flat_data_page(first, page)
             self.backend._count(hits=1, bytes_read=pool.page_bytes)
             out.append(True)
@@ -509,6 +505,21 @@ class HiCacheKernelsStorage(HiCacheStorage):
         return self._batch_v2(transfers, write=True)
 
     # -- the copying interface (flat page tensors) ---------------------------------------------------
+    def _store(self, okey: str, part: np.ndarray) -> bool:
+        """Store one object's bytes under ``okey``, counted; whether it was stored."""
+        stored = bool(self.backend.set(okey, memoryview(part)))
+        self.backend._count(sets=int(stored), set_failures=int(not stored), bytes_written=part.size * stored)
+        return stored
+
+    def _load(self, okeys: Sequence[str], nbytes: int) -> bytearray | None:
+        """The objects under ``okeys`` end to end (one copy), or None (a miss, counted) when one is missing
+        or they do not hold ``nbytes`` in all (a torn or foreign object)."""
+        parts = [self.backend.get(k) for k in okeys]
+        if any(p is None for p in parts) or sum(len(memoryview(p).cast("B")) for p in parts) != nbytes:
+            self.backend._count(misses=1)
+            return None
+        return bytearray().join(parts)
+
     def _flat(self, value: Any) -> torch.Tensor:
         if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
             raise TypeError(f"value: expected a CPU tensor, got {type(value).__name__}")
@@ -534,14 +545,11 @@ class HiCacheKernelsStorage(HiCacheStorage):
             okeys = self._keys(keys)
             groups = self.objects.groups
             for i in range(len(keys)):
-                parts = [self.backend.get(k) for k in okeys[i * groups : (i + 1) * groups]]
-                if any(p is None for p in parts) or sum(len(memoryview(p).cast("B")) for p in parts) != (
-                    self.objects.page_bytes * groups
-                ):
-                    self.backend._count(misses=1)
+                joined = self._load(okeys[i * groups : (i + 1) * groups], self.objects.page_bytes * groups)
+                if joined is None:
                     out.append(None)
                     continue
-                src = torch.frombuffer(bytearray().join(parts), dtype=torch.uint8)  # one copy
+                src = torch.frombuffer(joined, dtype=torch.uint8)
                 if groups > 1:
                     src = self._join_groups(src)
                 if target_locations is None:
@@ -603,11 +611,7 @@ class HiCacheKernelsStorage(HiCacheStorage):
                     raise ValueError(f"values[{i}]: expected {self.objects.page_bytes * groups} bytes, got {flat.size}")
                 parts = [flat] if groups == 1 else self._split_page(flat)
                 for g, part in enumerate(parts):
-                    stored = bool(self.backend.set(okeys[i * groups + g], memoryview(part)))
-                    self.backend._count(
-                        sets=int(stored), set_failures=int(not stored), bytes_written=part.size * stored
-                    )
-                    ok = ok and stored
+                    ok = self._store(okeys[i * groups + g], part) and ok
         except Exception as exc:
             self._fault("batch_set", exc)
             return False
