@@ -471,6 +471,15 @@ MUTANTS = [
         "                self.index = index_pool(c, pool.size, pool.page_size, pool.device)",
         ("tests/serving/test_engine.py::test_indexer_model_served_equals_recompute",),
     ),
+    Mutant(
+        "indexer-fp8-scale-per-batch",
+        "the FP8 index keys are scaled by the batch's amax, not each token's own: a token's stored key then "
+        "depends on what was computed with it, and a prefix from the cache scores otherwise than recomputed (34 #1)",
+        "python/hicache/serving/model.py",
+        "    scale = (keys.float().abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp_min(1e-12)",
+        "    scale = (keys.float().abs().amax().expand(len(keys), 1).contiguous() / _FP8_MAX).clamp_min(1e-12)",
+        ("tests/serving/test_engine.py::test_indexer_model_served_equals_recompute",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

@@ -630,15 +630,17 @@ def test_tenants_sharing_a_system_prompt_never_hit_each_others_pages(tmp_path, m
     check_against_recompute(model, reqs, results)
 
 
-@pytest.mark.parametrize("tier", ["host", "storage"])
-def test_indexer_model_served_equals_recompute(tmp_path, tier):
-    """An MLA model with a DeepSeek V3.2-style indexer (index keys in a sidecar pool; each query attends
-    to its top-4 earlier tokens by index score): its prefixes come back from the host, or from a second
-    instance's store, with their index keys, and every token and logit equals recompute's, bit for bit.
-    A prefix loaded without its index keys would pick other tokens."""
+@pytest.mark.parametrize(("tier", "fp8"), [("host", True), ("host", False), ("storage", True)])
+def test_indexer_model_served_equals_recompute(tmp_path, tier, fp8):
+    """An MLA model with a DeepSeek V3.2-style indexer (index keys in a sidecar pool, FP8 with a scale
+    per token or unquantized; each query attends to its top-4 earlier tokens by index score): its
+    prefixes come back from the host, or from a second instance's store, with their index keys, and
+    every token and logit equals recompute's, bit for bit. A prefix loaded without its index keys would
+    pick other tokens."""
     from hicache.serving.model import index_pool
 
-    cfg = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4)
+    cfg = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4, indexer_fp8=fp8)
+    assert index_pool(cfg, 8, PAGE).dtype == (torch.uint8 if fp8 else cfg.dtype)
     model = TinyLM(cfg)
 
     def cache_over(pool, **kw):
@@ -665,3 +667,38 @@ def test_indexer_model_served_equals_recompute(tmp_path, tier):
         assert sum(r.host_hit for r in stats) > 0, "nothing came back from the host"
         if tier == "storage":
             assert cache.metrics.storage_hit_tokens > 0
+
+
+def test_fp8_index_keys_pack_and_unpack():
+    """The FP8 index rows: ``D`` e4m3 bytes then the row's float32 scale (``amax / 448``); unpacking gives
+    the e4m3 values times the scale, within e4m3's precision of the keys; packing is deterministic (a key
+    recomputed later packs to the same bytes, which bit-exact serving needs)."""
+    from hicache.serving.model import dequantize_index_keys, quantize_index_keys
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(9, 12, generator=g) * torch.logspace(-3, 3, 9)[:, None]
+    rows = quantize_index_keys(keys)
+    assert rows.dtype == torch.uint8 and rows.shape == (9, 16)
+    scale = rows[:, 12:].contiguous().view(torch.float32)
+    assert torch.equal(scale, keys.abs().amax(-1, keepdim=True) / 448.0)
+    fp8 = rows[:, :12].contiguous().view(torch.float8_e4m3fn)
+    assert torch.equal(fp8, (keys / scale).to(torch.float8_e4m3fn))
+    back = dequantize_index_keys(rows)
+    assert torch.equal(back, fp8.float() * scale)
+    assert ((back - keys).abs() <= keys.abs() * 2**-4 + scale * 2**-9).all()  # e4m3: 3 mantissa bits
+    assert torch.equal(quantize_index_keys(keys.clone()), rows)
+
+
+def test_engine_refuses_an_index_pool_of_the_wrong_kind():
+    """An FP8 indexer model over a cache whose sidecar holds unquantized keys (or the other way round):
+    ValueError naming the cache, before anything is served."""
+    from hicache.serving.model import index_pool
+
+    for fp8 in (True, False):
+        cfg = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4, indexer_fp8=fp8)
+        other = dataclasses.replace(cfg, indexer_fp8=not fp8)
+        pool = cfg.pool(64, PAGE)
+        side = index_pool(other, pool.size, PAGE)
+        cache = make_cache(pool, threaded=False, sidecars=[(side, HostKVPool(side, ratio=8.0, safety_margin_gb=0.0))])
+        with cache, pytest.raises(ValueError, match="cache: the model's indexer needs a sidecar pool"):
+            Engine(TinyLM(cfg), pool, cache)

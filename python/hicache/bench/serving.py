@@ -281,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "elements in a sidecar pool, each query attending to its --index-topk best "
                         "earlier tokens (0: none)")  # fmt: skip
     p.add_argument("--index-topk", type=int, default=16)
+    p.add_argument("--indexer-keys", choices=("fp8", "model"), default="fp8",
+                   help="the index keys' storage: FP8 with a float32 scale per token, packed in uint8 rows "
+                        "(DeepSeek V3.2's; default), or the model's dtype")  # fmt: skip
     p.add_argument("--fast", action="store_true", help="matmuls and fused attention (not bit-exact; for GPUs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the pools, the model and the copies on the GPU)")
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig(num_layers=a.layers, hidden=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads,
                       head_dim=a.head_dim, ffn=a.ffn or 2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
                       dtype=getattr(torch, a.dtype), mla=a.mla, kv_lora=a.kv_lora, indexer_dim=a.indexer_dim,
-                      index_topk=a.index_topk)  # fmt: skip
+                      index_topk=a.index_topk, indexer_fp8=a.indexer_keys == "fp8")  # fmt: skip
     model = TinyLM(cfg, a.device)
     longest = max(longest_per_client(turns, prompt_of, a.output_len).values())
     sizes = pool_sizes(a, turns, prompt_of)

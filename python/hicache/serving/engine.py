@@ -28,7 +28,7 @@ import torch
 from ..cache.radix_cache import HiRadixCache
 from ..pools import DeviceKVPool
 from ..streams.devices import KVRegion
-from .model import ModelConfig, TinyLM, index_pool
+from .model import ModelConfig, TinyLM, index_pool, index_row
 
 __all__ = ["Engine", "FixedArrivals", "GenerationResult", "ModelConfig", "Request", "RequestSource", "TinyLM"]
 
@@ -177,7 +177,8 @@ class Engine:
             if cache is None:
                 self.index = index_pool(c, pool.size, pool.page_size, pool.device)
             else:
-                found = [d for d, _ in cache.controller.sidecars if (d.head_num, d.head_dim) == (1, c.indexer_dim)]
+                row = (1, *index_row(c))
+                found = [d for d, _ in cache.controller.sidecars if (d.head_num, d.head_dim, d.dtype) == row]
                 if not found:
                     raise ValueError("cache: the model's indexer needs a sidecar pool in the cache "
                                      "(HiRadixCache(..., sidecars=[(index_pool(...), HostKVPool(...))]))")  # fmt: skip

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..pools import DeviceKVPool
 
-__all__ = ["ModelConfig", "TinyLM"]
+__all__ = ["ModelConfig", "TinyLM", "dequantize_index_keys", "index_pool", "index_row", "quantize_index_keys"]
 
 # SDPA groups query heads over fewer K/V heads itself (no repeated K/V copies) from torch 2.5 on.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -65,6 +65,9 @@ class ModelConfig:
     # tokens whose keys score highest against its index query. 0: dense attention, no sidecar.
     indexer_dim: int = 0
     index_topk: int = 8
+    # The index keys as DeepSeek V3.2 stores them: FP8 (e4m3) with one float32 scale per token, packed
+    # into uint8 rows of indexer_dim + 4 bytes (index_pool). False: keys in ``dtype``, unquantized.
+    indexer_fp8: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "kv_lora",
@@ -88,12 +91,42 @@ class ModelConfig:
 
 
 def index_pool(cfg: ModelConfig, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
-    """The indexer's sidecar pool for ``cfg`` (``cfg.indexer_dim`` elements a token and layer), sharing the
-    KV pool's slot numbering: give it to the cache as ``sidecars=[(pool, HostKVPool(pool, ...))]``."""
+    """The indexer's sidecar pool for ``cfg``, sharing the KV pool's slot numbering: give it to the cache
+    as ``sidecars=[(pool, HostKVPool(pool, ...))]``. A row a token and layer: with ``indexer_fp8`` (the
+    default) ``indexer_dim + 4`` bytes (uint8: the key in FP8 e4m3, then its float32 scale, as DeepSeek
+    V3.2's indexer cache packs them), else ``indexer_dim`` elements of ``cfg.dtype``."""
     if not cfg.indexer_dim:
         raise ValueError("indexer_dim: this model has no indexer (0)")
-    return DeviceKVPool(num_slots=num_slots, num_layers=cfg.num_layers, head_num=1, head_dim=cfg.indexer_dim,
-                        dtype=cfg.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
+    width, dtype = index_row(cfg)
+    return DeviceKVPool(num_slots=num_slots, num_layers=cfg.num_layers, head_num=1, head_dim=width,
+                        dtype=dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
+
+
+def index_row(cfg: ModelConfig) -> tuple[int, torch.dtype]:
+    """``(elements, dtype)`` of one row of ``cfg``'s index pool (:func:`index_pool`)."""
+    return (cfg.indexer_dim + _SCALE_BYTES, torch.uint8) if cfg.indexer_fp8 else (cfg.indexer_dim, cfg.dtype)
+
+
+_SCALE_BYTES = 4  # one float32 scale per FP8 index key
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_index_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Index keys ``[m, D]`` as packed FP8 rows ``[m, D + 4]`` (uint8): each row scaled by its own
+    ``amax / 448`` into float8 e4m3, then the float32 scale's 4 bytes. Deterministic per row: a key
+    recomputed later packs to the same bytes."""
+    scale = (keys.float().abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp_min(1e-12)
+    q = (keys.float() / scale).to(torch.float8_e4m3fn)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def dequantize_index_keys(rows: torch.Tensor) -> torch.Tensor:
+    """Packed FP8 rows ``[m, D + 4]`` (uint8, :func:`quantize_index_keys`) as float32 keys ``[m, D]``."""
+    rows = rows.contiguous()
+    d = rows.shape[-1] - _SCALE_BYTES
+    q = rows[..., :d].contiguous().view(torch.float8_e4m3fn).float()
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return q * scale
 
 
 def _put(pools: tuple[torch.Tensor, ...], slots: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
@@ -263,9 +296,14 @@ class TinyLM:
                 allowed = None
                 if cfg.indexer_dim:
                     pik = index.kv[li]
-                    ik = ik_all[row : row + m].view(m, 1, cfg.indexer_dim).to(pik.dtype)
+                    if cfg.indexer_fp8:  # stored as FP8 with a scale; scored as the store holds them
+                        ik = quantize_index_keys(ik_all[row : row + m]).view(m, 1, -1)
+                    else:
+                        ik = ik_all[row : row + m].view(m, 1, cfg.indexer_dim).to(pik.dtype)
                     put(li, into, partial(_put, (pik,), into, (ik,)), index)
-                    ikeys = torch.cat([pik[slots[:start]], ik]).view(start + m, cfg.indexer_dim)
+                    ikeys = torch.cat([pik[slots[:start]], ik]).view(start + m, -1)
+                    if cfg.indexer_fp8:
+                        ikeys = dequantize_index_keys(ikeys)
                     allowed = self._select(iq_all[row : row + m], ikeys, start)
                 outs.append(self._attend(q, keys, vals, start, scale, allowed))
                 row += m
