@@ -44,9 +44,14 @@ class Mutant:
     group: str = "core"  # "sglang": needs SGLang's modules (run with --group sglang where they import)
 
 
+_SIDECAR_LAYER = (
+    "                    if layer >= d.num_layers:  # a sidecar of fewer layers: all issued with the first ones\n"
+    "                        continue\n"
+)
 _LAUNCH_LAYER = (
     "                for load, d, h in loads:\n"
-    "                    work = lambda s, layer=layer, load=load: load(layer)  # noqa: E731\n"
+    + _SIDECAR_LAYER
+    + "                    work = lambda s, layer=layer, load=load: load(layer)  # noqa: E731\n"
     "                    self._launch(stream, work, op, (h, h_idx), (d, d_idx), layer)\n"
 )
 _SIGNAL_LAYER = (
@@ -479,6 +484,40 @@ MUTANTS = [
         "    scale = (keys.float().abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp_min(1e-12)",
         "    scale = (keys.float().abs().amax().expand(len(keys), 1).contiguous() / _FP8_MAX).clamp_min(1e-12)",
         ("tests/serving/test_engine.py::test_indexer_model_served_equals_recompute",),
+    ),
+    Mutant(
+        "sidecar-state-loaded-with-the-last-layer",
+        "a sidecar of fewer layers (a recurrent layer's checkpoints) is loaded with the KV's last layers instead "
+        "of its first: the forward's recurrent layer resumes from a checkpoint still in flight (34 #1)",
+        "python/hicache/controller/controller.py",
+        _SIDECAR_LAYER + "                    work = lambda s, layer=layer, load=load: load(layer)  # noqa: E731\n"
+        "                    self._launch(stream, work, op, (h, h_idx), (d, d_idx), layer)\n",
+        "                    own = layer - (dp.num_layers - d.num_layers)\n"
+        "                    if own < 0:\n"
+        "                        continue\n"
+        "                    work = lambda s, layer=own, load=load: load(layer)  # noqa: E731\n"
+        "                    self._launch(stream, work, op, (h, h_idx), (d, d_idx), own)\n",
+        ("tests/serving/test_hybrid_models.py",),
+        DEFERRED,
+    ),
+    Mutant(
+        "engine-state-off-the-cache",
+        "the engine keeps the recurrent checkpoints in a pool of its own beside a cache: a prefix from the cache "
+        "resumes from a checkpoint that is not its own (34 #1, #2)",
+        "python/hicache/serving/engine.py",
+        "                self.state = found[0]",
+        "                self.state = state_pool(c, pool.size, pool.page_size, pool.device)",
+        ("tests/serving/test_hybrid_models.py",),
+    ),
+    Mutant(
+        "recurrent-checkpoint-a-token-early",
+        "a page's checkpoint is the state before its last token, not after: a prefix resumed from it skips a "
+        "token of the recurrence (34 #1)",
+        "python/hicache/serving/model.py",
+        "                    put(0, page, partial(_put, (rows,), page, (h.view(ps, 1, -1),)), pool)",
+        "                    put(0, page, partial(_put, (rows,), page, (ys[max(0, len(ys) - 2)].view(ps, 1, -1),)), "
+        "pool)",
+        ("tests/serving/test_hybrid_models.py",),
     ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.

@@ -21,11 +21,12 @@ TOKENS = [(13 * i + 7) % 800 for i in range(32)]
 
 
 def make(layout: str = "page_first", io_backend: str = "direct", sidecar_layout: str = "page_first", *,
-         mla: bool = False, side_elems: int = SIDE_ELEMS, with_sidecar: bool = True, **kw):  # fmt: skip
+         mla: bool = False, side_elems: int = SIDE_ELEMS, with_sidecar: bool = True, side_layers: int = NUM_LAYERS,
+         **kw):  # fmt: skip
     dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=1 if mla else HEAD_NUM, head_dim=HEAD_DIM,
                        dtype=torch.float32, device="cpu", page_size=PAGE, mla=mla)  # fmt: skip
     host = HostKVPool(dev, layout=layout, ratio=2.0, safety_margin_gb=0.0)
-    side_dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=1, head_dim=side_elems,
+    side_dev = DeviceKVPool(num_slots=64, num_layers=side_layers, head_num=1, head_dim=side_elems,
                             dtype=torch.bfloat16, device="cpu", page_size=PAGE, mla=True)  # fmt: skip
     side_host = HostKVPool(side_dev, layout=sidecar_layout, ratio=2.0, safety_margin_gb=0.0)
     cache = HiRadixCache(dev, host, io_backend=io_backend, write_policy="write_through", threaded=False,
@@ -45,7 +46,7 @@ def write_side(cache, side_dev, tokens, slots, start=0) -> None:
 
     def write() -> None:
         for slot, pos, tok in rows:
-            for layer in range(NUM_LAYERS):
+            for layer in range(side_dev.num_layers):
                 side_dev.device_k[layer][slot, 0] = side_value(tok, pos, layer)
 
     device = queued_device(cache)
@@ -59,7 +60,7 @@ def write_side(cache, side_dev, tokens, slots, start=0) -> None:
 def check_side(cache, side_dev, tokens, slots) -> None:
     host_reads(cache)
     for pos, (tok, slot) in enumerate(zip(tokens, slots.tolist(), strict=True)):
-        for layer in range(NUM_LAYERS):
+        for layer in range(side_dev.num_layers):
             got = side_dev.device_k[layer][slot, 0].view(torch.uint8)
             assert torch.equal(got, side_value(tok, pos, layer).view(torch.uint8)), (pos, layer)
 
@@ -87,9 +88,24 @@ def test_sidecar_rows_travel_with_their_kv(layout, sidecar_layout, io_backend):
         load_back_and_check(cache, side_dev)
 
 
+@pytest.mark.parametrize("layer_wise", [True, False])
+def test_a_sidecar_of_fewer_layers_travels_with_its_kv(layer_wise):
+    """A one-layer sidecar (a recurrent layer's state checkpoints) beside a multi-layer KV pool: backed up
+    and loaded back with the KV, its one layer loaded with the KV's first (in place before any layer of
+    the KV can be read), byte for byte."""
+    cache, side_dev, _ = make(side_layers=1)
+    with cache:
+        cache.controller.layer_wise = layer_wise  # the cache builds its controller layer-wise
+        assert side_dev.num_layers == 1 < cache.device_pool.num_layers
+        prefill(cache, side_dev, TOKENS)
+        cache.flush()
+        cache.evict(cache.device_pool.size)
+        load_back_and_check(cache, side_dev)
+
+
 def load_back_and_check(cache, side_dev) -> None:
     """Poison the device sidecar, load TOKENS' host copy back, check every KV and sidecar byte."""
-    for layer in range(NUM_LAYERS):  # only loaded rows may match
+    for layer in range(side_dev.num_layers):  # only loaded rows may match
         side_dev.device_k[layer].view(torch.uint8).fill_(0xA5)
     m = cache.match_prefix(TOKENS)
     assert len(m.device_indices) == 0 and m.host_hit_length == len(TOKENS)
@@ -164,7 +180,10 @@ def test_sidecars_must_match_the_kv_pools():
     dev, host = cache.device_pool, cache.host_pool
     small = DeviceKVPool(num_slots=32, num_layers=NUM_LAYERS, head_num=1, head_dim=8, dtype=torch.bfloat16,
                          device="cpu", page_size=PAGE, mla=True)  # fmt: skip
+    deep = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS + 1, head_num=1, head_dim=8, dtype=torch.bfloat16,
+                        device="cpu", page_size=PAGE, mla=True)  # fmt: skip
     cases = [
+        ([(deep, HostKVPool(deep, ratio=2.0, safety_margin_gb=0.0))], ValueError, r"sidecars\[0\]: num_layers"),
         ([(side_dev,)], TypeError, r"sidecars\[0\]"),
         ([(side_dev, host)], TypeError, r"sidecars\[0\]"),  # a host pool over another device pool
         ([(small, HostKVPool(small, ratio=4.0, safety_margin_gb=0.0))], ValueError, r"sidecars\[0\]: device slots 32"),

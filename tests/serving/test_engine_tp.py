@@ -1,7 +1,9 @@
 """The engine serving over a cache with a TP group: two CPU ranks (gloo, spawned processes) serve the
 same requests with continuous batching, a full device pool and load-backs. Both produce the same
 tokens, bit for bit equal to a recompute, and the cache's agreements cost at most two collectives a
-step (the step's acks, and its load-back decisions when it made any), whatever the batch."""
+step (the step's acks, and its load-back decisions when it made any), whatever the batch. The hybrid
+models (tests/serving/test_hybrid_models.py: a recurrent branch; MLA with an FP8 indexer and a recurrent
+branch) serve the same way, their sidecar pools on each rank moved with the rank's KV."""
 
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ WORLD = 2
 TIMEOUT_S = 300  # a hang detector, not a speed limit
 
 
-def rank_main(rank: int, init_file: str, out) -> None:
+def rank_main(rank: int, init_file: str, name: str, out) -> None:
     def work() -> dict:
         from test_engine import CFG, PAGE, FakeClock, check_against_recompute, make_cache, staggered_requests
+        from test_hybrid_models import MODELS, sidecars_for
 
         from hicache.serving.engine import Engine, TinyLM
 
-        model = TinyLM(CFG)
+        cfg = CFG if name == "dense" else MODELS[name]
+        model = TinyLM(cfg, tp_group=dist.group.WORLD)
         clock = FakeClock(step_s=0.5)
         real = model.forward_batch
 
@@ -40,14 +44,15 @@ def rank_main(rank: int, init_file: str, out) -> None:
             return real_reduce(t, *args, **kwargs)
 
         dist.all_reduce = counting
-        pool = CFG.pool(64, PAGE)
+        pool = model.pool(64, PAGE)
         reqs = staggered_requests(n=16, clients=8)
         # Two waves: the first 8 conversations' first turns over time, then all their second turns at
         # once, whose prefixes the first wave pushed to the host: several load-backs in one step.
         first, second = reqs[:8], [dataclasses.replace(q, arrival=0.0) for q in reqs[8:]]
         loads: list[int] = []
         flushes: list[int] = []
-        with make_cache(pool, threaded=False, tp_group=dist.group.WORLD) as cache:
+        sidecars = sidecars_for(cfg, pool)
+        with make_cache(pool, threaded=False, tp_group=dist.group.WORLD, sidecars=sidecars) as cache:
             real_load_back = cache.load_back
 
             def load_back(*args, **kwargs):
@@ -71,7 +76,7 @@ def rank_main(rank: int, init_file: str, out) -> None:
             cache.verify()
             metrics = cache.metrics
             load_backs = metrics.load_backs
-        check_against_recompute(model, reqs, results)
+        check_against_recompute(TinyLM(cfg), reqs, results)  # a TP=1 recompute, bit for bit
         return dict(
             tokens={r.rid: r.tokens for r in results},
             host_hits=sum(r.host_hit for r in results),
@@ -87,10 +92,10 @@ def rank_main(rank: int, init_file: str, out) -> None:
     rank_report(rank, WORLD, init_file, 60, out, work)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory) -> dict[int, dict]:
+@pytest.fixture(scope="module", params=["dense", "recurrent", "mla-indexer-recurrent"])
+def served(request, tmp_path_factory) -> dict[int, dict]:
     init_file = str(tmp_path_factory.mktemp("tpe") / "store")
-    return run_ranks(rank_main, (init_file,), WORLD, TIMEOUT_S, grace_s=70)
+    return run_ranks(rank_main, (init_file, request.param), WORLD, TIMEOUT_S, grace_s=70)
 
 
 def test_ranks_serve_the_same_tokens_equal_to_recompute(served):

@@ -64,7 +64,9 @@ def check_sidecars(sidecars: Any, device_pool: DeviceKVPool, host_pool: HostKVPo
     attention indexer's keys and scales: any item shape and dtype) that share the KV pools' slot
     numbering (device slot ``i`` and host slot ``j`` hold the same tokens' sidecar items as the KV pools'
     slots ``i`` and ``j``; the KV pools' allocators are the only ones used). Each must match the KV pools'
-    slot counts, page size, layers and device; ``ValueError`` / ``TypeError`` naming the one that does not."""
+    slot counts, page size and device and have at most their layers: a sidecar of fewer layers (a
+    recurrent state kept for one layer) loads its layer ``j`` with the KV's layer ``j``, so it is in
+    place no later than the KV's. ``ValueError`` / ``TypeError`` naming the one that does not."""
     if not isinstance(sidecars, (list, tuple)):
         raise TypeError(f"sidecars: expected a list of (DeviceKVPool, HostKVPool) pairs, got {type(sidecars).__name__}")
     out = []
@@ -77,12 +79,14 @@ def check_sidecars(sidecars: Any, device_pool: DeviceKVPool, host_pool: HostKVPo
             ("device slots", d.size, device_pool.size),
             ("host slots", h.size, host_pool.size),
             ("page_size", d.page_size, device_pool.page_size),
-            ("num_layers", d.num_layers, device_pool.num_layers),
             ("device", torch.device(d.device), torch.device(device_pool.device)),
             ("pinned host memory", h.pinned, host_pool.pinned),
         ):
             if got != want:
                 raise ValueError(f"sidecars[{i}]: {what} {got} differ from the KV pools' {want}")
+        if d.num_layers > device_pool.num_layers:
+            n = device_pool.num_layers
+            raise ValueError(f"sidecars[{i}]: num_layers {d.num_layers}, more than the KV pools' {n}")
         out.append((d, h))
     return out
 
@@ -466,6 +470,8 @@ class HiCacheController:
                      for b, d, h in pairs]  # fmt: skip
             for layer in range(dp.num_layers):
                 for load, d, h in loads:
+                    if layer >= d.num_layers:  # a sidecar of fewer layers: all issued with the first ones
+                        continue
                     work = lambda s, layer=layer, load=load: load(layer)  # noqa: E731
                     self._launch(stream, work, op, (h, h_idx), (d, d_idx), layer)
                 self.layer_counter.layer_issued(layer, stream, op.generation)  # the layer of every pool

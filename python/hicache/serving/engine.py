@@ -28,7 +28,7 @@ import torch
 from ..cache.radix_cache import HiRadixCache
 from ..pools import DeviceKVPool
 from ..streams.devices import KVRegion
-from .model import ModelConfig, TinyLM, index_pool, index_row
+from .model import ModelConfig, TinyLM, index_pool, index_row, state_pool
 
 __all__ = ["Engine", "FixedArrivals", "GenerationResult", "ModelConfig", "Request", "RequestSource", "TinyLM"]
 
@@ -125,7 +125,7 @@ class _Running:
     """A request admitted to the running batch: its slots, locks and output so far."""
 
     __slots__ = ("admitted", "device_hit", "fed", "first", "host_hit", "load_wait", "loaded_from", "locked", "out",
-                 "prefix", "req", "rows", "slots", "step_size")  # fmt: skip
+                 "prefix", "req", "rows", "slots", "state", "step_size")  # fmt: skip
 
     def __init__(self, req: Request, fed: int) -> None:
         self.req = req
@@ -140,6 +140,7 @@ class _Running:
         self.admitted = self.first = 0.0
         self.load_wait = 0.0
         self.step_size = 0
+        self.state: torch.Tensor | None = None  # the recurrent state after its last fed token (None: none yet)
 
 
 class Engine:
@@ -183,6 +184,21 @@ class Engine:
                     raise ValueError("cache: the model's indexer needs a sidecar pool in the cache "
                                      "(HiRadixCache(..., sidecars=[(index_pool(...), HostKVPool(...))]))")  # fmt: skip
                 self.index = found[0]
+        # A model with a recurrent branch checkpoints its state at every page boundary in a one-layer
+        # sidecar pool (the cache's, which keeps a page's checkpoint with its KV on every tier).
+        self.state: DeviceKVPool | None = None
+        if c.recurrent_dim:
+            want = state_pool(c, pool.page_size, pool.page_size)  # the geometry only: one page
+            if cache is None:
+                self.state = state_pool(c, pool.size, pool.page_size, pool.device)
+            else:
+                shape = (1, 1, want.head_dim, want.dtype)
+                found = [d for d, _ in cache.controller.sidecars
+                         if (d.num_layers, d.head_num, d.head_dim, d.dtype) == shape]  # fmt: skip
+                if not found:
+                    raise ValueError("cache: the model's recurrent branch needs its checkpoint pool in the cache "
+                                     "(HiRadixCache(..., sidecars=[(state_pool(...), HostKVPool(...))]))")  # fmt: skip
+                self.state = found[0]
 
     # ------------------------------------------------------------------ one request in and out
     def _room(self, n: int) -> bool:
@@ -410,6 +426,7 @@ class Engine:
         waited = [0.0]
         seqs = [(r.req.prompt[r.prefix :], r.prefix, r.slots) for r in new]
         seqs += [([r.out[-1]], len(r.req.prompt) + len(r.out) - 1, r.slots) for r in running]
+        states = [r.state for r in new + running]
         device = None
         write_kv = None
         try:
@@ -420,9 +437,11 @@ class Engine:
                 # The KV this step's forward reads (every sequence's slots before its new tokens), for a
                 # device that checks reads against copies still in flight (the deferred model).
                 read = [slots[:start] for _, start, slots in seqs if start] if device.tracks_regions else []
-                pools = [self.pool] if self.index is None else [self.pool, self.index]
+                pools = [p for p in (self.pool, self.index) if p is not None]
                 regions = [[KVRegion(p, torch.cat(read), (layer,)) for p in pools] if read else []
                            for layer in range(self.pool.num_layers)]  # fmt: skip
+                if read and self.state is not None:  # the checkpoints new requests resume from
+                    regions[self.model.cfg.recurrent_layer].append(KVRegion(self.state, torch.cat(read), (0,)))
 
                 def wait_and_check(layer: int) -> None:
                     if generation:
@@ -443,7 +462,7 @@ class Engine:
                                       what=f"the forward writing layer {layer}")  # fmt: skip
 
             logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True, write_kv=write_kv,
-                                              index=self.index)  # fmt: skip
+                                              index=self.index, state=self.state, states=states)  # fmt: skip
         except BaseException:  # a load that could not start, a failed wait or forward: give back what new hold
             if device is not None:  # but first let the layers already issued finish writing into those slots
                 device.current_stream().synchronize()
@@ -452,9 +471,10 @@ class Engine:
         rows = torch.cat(logits)
         tokens = rows.argmax(-1).tolist()  # waits for the forward (on a GPU): the step's end is now
         done = clock() - t0
-        for r, row, tok in zip(new + running, rows, tokens, strict=True):
+        for r, row, tok, st in zip(new + running, rows, tokens, states, strict=True):
             r.rows.append(row)
             r.out.append(tok)
+            r.state = st
         for r in new:
             r.first, r.load_wait, r.step_size = done, waited[0], len(new)
 

@@ -35,7 +35,15 @@ import torch.distributed as dist
 
 from ..pools import DeviceKVPool
 
-__all__ = ["ModelConfig", "TinyLM", "dequantize_index_keys", "index_pool", "index_row", "quantize_index_keys"]
+__all__ = [
+    "ModelConfig",
+    "TinyLM",
+    "dequantize_index_keys",
+    "index_pool",
+    "index_row",
+    "quantize_index_keys",
+    "state_pool",
+]
 
 # SDPA groups query heads over fewer K/V heads itself (no repeated K/V copies) from torch 2.5 on.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -68,6 +76,12 @@ class ModelConfig:
     # The index keys as DeepSeek V3.2 stores them: FP8 (e4m3) with one float32 scale per token, packed
     # into uint8 rows of indexer_dim + 4 bytes (index_pool). False: keys in ``dtype``, unquantized.
     indexer_fp8: bool = True
+    # A recurrent branch (linear attention / Mamba-style, as in hybrid models): layer recurrent_layer
+    # also runs a per-channel linear recurrence over recurrent_dim channels beside its attention (the
+    # two added, as Hymba's parallel heads are). Its state is one fixed-size vector per sequence, not
+    # per token: the cache keeps it as a checkpoint at every page boundary (state_pool). 0: none.
+    recurrent_dim: int = 0
+    recurrent_layer: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "kv_lora",
@@ -76,6 +90,12 @@ class ModelConfig:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
         if not isinstance(self.indexer_dim, int) or self.indexer_dim < 0:
             raise ValueError(f"indexer_dim: expected an int >= 0, got {self.indexer_dim!r}")
+        if not isinstance(self.recurrent_dim, int) or self.recurrent_dim < 0:
+            raise ValueError(f"recurrent_dim: expected an int >= 0, got {self.recurrent_dim!r}")
+        if not isinstance(self.recurrent_layer, int) or not 0 <= self.recurrent_layer < self.num_layers:
+            raise ValueError(
+                f"recurrent_layer: expected a layer in [0, {self.num_layers}), got {self.recurrent_layer!r}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: expected a divisor of num_heads ({self.num_heads}), got {self.num_kv_heads}"
@@ -100,6 +120,22 @@ def index_pool(cfg: ModelConfig, num_slots: int, page_size: int, device: str | t
     width, dtype = index_row(cfg)
     return DeviceKVPool(num_slots=num_slots, num_layers=cfg.num_layers, head_num=1, head_dim=width,
                         dtype=dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
+
+
+def state_pool(cfg: ModelConfig, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
+    """The recurrent branch's checkpoint pool for ``cfg``: the state after each page's last token, spread
+    over the page's rows (one layer; a row a token of ``recurrent_dim / page_size`` float32 elements),
+    sharing the KV pool's slot numbering, so a page's checkpoint moves, is stored and is evicted with its
+    KV: give it to the cache as ``sidecars=[(pool, HostKVPool(pool, ...))]``. Every page boundary is a
+    checkpoint, so every page-aligned prefix hit can resume the recurrence; the price is one state
+    (``recurrent_dim * 4`` bytes) per page."""
+    if not cfg.recurrent_dim:
+        raise ValueError("recurrent_dim: this model has no recurrent branch (0)")
+    if cfg.recurrent_dim % page_size:
+        raise ValueError(f"page_size: {page_size} does not divide recurrent_dim {cfg.recurrent_dim} (a page's rows "
+                         "hold one state)")  # fmt: skip
+    return DeviceKVPool(num_slots=num_slots, num_layers=1, head_num=1, head_dim=cfg.recurrent_dim // page_size,
+                        dtype=torch.float32, device=device, page_size=page_size, mla=True)  # fmt: skip
 
 
 def index_row(cfg: ModelConfig) -> tuple[int, torch.dtype]:
@@ -194,6 +230,10 @@ class TinyLM:
         if cfg.indexer_dim:
             for layer in self.layers:
                 layer["wiq"], layer["wik"] = w(h, cfg.indexer_dim), w(h, cfg.indexer_dim)
+        if cfg.recurrent_dim:  # the recurrent branch: input and output projections, a decay per channel
+            rec = self.layers[cfg.recurrent_layer]
+            rec["wu"], rec["wy"] = w(h, cfg.recurrent_dim), w(cfg.recurrent_dim, h)
+            rec["decay"] = torch.sigmoid(torch.randn(cfg.recurrent_dim, generator=g) + 2.0).to(self.device)
         self.head = w(h, cfg.vocab)
         inv = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
         self._inv_freq = inv
@@ -233,6 +273,8 @@ class TinyLM:
         last_only: bool = False,
         write_kv: Callable[..., None] | None = None,
         index: DeviceKVPool | None = None,
+        state: DeviceKVPool | None = None,
+        states: list[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`forward` for several sequences at once, ``(tokens, start, slots)`` each: the rows of all
         of them go through each projection together; attention stays within each sequence (a prefill
@@ -246,7 +288,14 @@ class TinyLM:
 
         ``index``: the indexer's sidecar pool (:func:`index_pool`), for a model with ``indexer_dim``: the
         new tokens' index keys are written there (the same way) and the prefix's read from it; a query
-        attends to the ``index_topk`` earlier tokens its index query scores highest (itself always)."""
+        attends to the ``index_topk`` earlier tokens its index query scores highest (itself always).
+
+        ``state``, ``states``: for a model with a recurrent branch, its checkpoint pool (:func:`state_pool`)
+        and each sequence's recurrent state before its new tokens (``[recurrent_dim]`` float32; None: the
+        checkpoint at ``start``, which must then be a page boundary, read from the pool after
+        ``wait_layer`` of the recurrent layer, or zeros at 0). Each page boundary the new tokens reach
+        writes its checkpoint into the pool (the way K/V are written); ``states`` (given or not) ends
+        holding each sequence's state after its last new token, for the next step's decode."""
         cfg = self.cfg
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
@@ -262,6 +311,12 @@ class TinyLM:
         put = write_kv if write_kv is not None else (lambda layer, slots, write, pool=None: write())
         if cfg.indexer_dim and index is None:
             raise ValueError("index: this model has an indexer; give its sidecar pool (index_pool)")
+        if cfg.recurrent_dim and state is None:
+            raise ValueError("state: this model has a recurrent branch; give its checkpoint pool (state_pool)")
+        if states is None:
+            states = [None] * len(seqs)
+        elif len(states) != len(seqs):
+            raise ValueError(f"states: expected one per sequence ({len(seqs)}), got {len(states)}")
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
             q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)[:, q0 : q0 + hq]
@@ -313,12 +368,47 @@ class TinyLM:
                 dist.all_gather(parts, out.contiguous(), group=self.tp_group)
                 out = torch.cat(parts, dim=1)
             x = x + mm(out.reshape(n, -1), layer["wo"])
+            if cfg.recurrent_dim and li == cfg.recurrent_layer:  # beside the attention, from the same input
+                x = x + self._recur(a, seqs, lens, layer, state, states, put, mm)
             x = x + mm(torch.nn.functional.gelu(mm(_rmsnorm(x), layer["w1"])), layer["w2"])
         if last_only:
             ends = torch.tensor(lens, device=self.device).cumsum(0) - 1
             return list(mm(_rmsnorm(x[ends]), self.head).split(1))
         logits = mm(_rmsnorm(x), self.head)
         return list(logits.split(lens))
+
+    def _recur(
+        self, a: torch.Tensor, seqs: list, lens: list[int], layer: dict, pool: DeviceKVPool,
+        states: list[torch.Tensor | None], put: Callable[..., None], mm: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        """The recurrent branch's output ``[n, hidden]``: per channel ``h_t = decay * h_{t-1} + (1 - decay) *
+        u_t`` (``u = a @ wu``, in float32, one token after another: the state after a prefix is the same
+        however the prefix was split into calls), then ``h @ wy``; checkpoints written at page ends."""
+        cfg, ps = self.cfg, pool.page_size
+        u_all = mm(a, layer["wu"]).float()
+        lam = layer["decay"]
+        gain = 1.0 - lam
+        rows = pool.kv[0]
+        ys = []
+        row = 0
+        for k, ((_, start, slots), m) in enumerate(zip(seqs, lens, strict=True)):
+            h = states[k]
+            if h is None:
+                if start % ps:
+                    raise ValueError(
+                        f"states: sequence {k} starts at {start}, not a page boundary, with no state given"
+                    )
+                h = rows[slots[start - ps : start]].reshape(-1) if start else torch.zeros_like(lam)
+            for i in range(m):
+                h = lam * h + gain * u_all[row + i]
+                ys.append(h)
+                end = start + i + 1
+                if end % ps == 0:  # a page boundary: its checkpoint, spread over the page's rows
+                    page = slots[end - ps : end]
+                    put(0, page, partial(_put, (rows,), page, (h.view(ps, 1, -1),)), pool)
+            states[k] = h
+            row += m
+        return mm(torch.stack(ys).to(cfg.dtype), layer["wy"])
 
     def _select(self, iq: torch.Tensor, ikeys: torch.Tensor, start: int) -> torch.Tensor:
         """The indexer's choice: ``[m, S]`` booleans, True where query ``i`` (position ``start + i``) may

@@ -1,0 +1,149 @@
+"""Hybrid models served over the cache (issue 34): a recurrent branch (Mamba / linear-attention style, its
+state checkpointed at every page boundary in a one-layer sidecar pool), alone beside MHA attention or
+together with MLA and a DeepSeek V3.2-style FP8 indexer (two sidecar pools of different depths). Every
+request's tokens and logits equal a full recompute's, bit for bit, whatever tier its prefix came from
+(device, host, a second instance's store) and in continuous batching, where each request's state is
+carried from one decode step to the next. A prefix resumed from a missing or misplaced checkpoint
+would give other logits. Runs in CI's seeded runs under the deferred device model too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_engine import (
+    CFG,
+    PAGE,
+    FakeClock,
+    check_against_recompute,
+    make_cache,
+    serve_and_compare,
+    staggered_requests,
+)
+
+from hicache import HostKVPool
+from hicache.serving.engine import Engine, TinyLM
+from hicache.serving.model import index_pool, state_pool
+from hicache.storage import FileBackend
+from hicache.storage.tier import PrefetchPolicy
+
+RECURRENT = dataclasses.replace(CFG, recurrent_dim=16, recurrent_layer=1)
+MLA_FULL = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4, recurrent_dim=8, recurrent_layer=2)
+MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL}
+
+
+def sidecars_for(cfg, pool) -> list:
+    """The model's sidecar pools over ``pool``'s slots, each with its host pool."""
+    out = []
+    if cfg.indexer_dim:
+        side = index_pool(cfg, pool.size, PAGE)
+        out.append((side, HostKVPool(side, ratio=8.0, safety_margin_gb=0.0)))
+    if cfg.recurrent_dim:
+        side = state_pool(cfg, pool.size, PAGE)
+        out.append((side, HostKVPool(side, ratio=8.0, safety_margin_gb=0.0)))
+    return out
+
+
+def hybrid_cache(cfg, pool, **kw):
+    return make_cache(pool, threaded=False, sidecars=sidecars_for(cfg, pool), **kw)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hybrid_model_served_from_device_and_host_equals_recompute(name):
+    cfg = MODELS[name]
+    model = TinyLM(cfg)
+    pool = cfg.pool(48, PAGE)  # small: earlier turns are evicted to the host between turns
+    with hybrid_cache(cfg, pool) as cache:
+        stats = serve_and_compare(Engine(model, pool, cache), model, clients=3, turns=3)
+        cache.flush()
+        cache.verify()
+    assert sum(r.host_hit for r in stats) > 0, "nothing came back from the host"
+    assert sum(r.device_hit for r in stats) > 0, "nothing was reused on the device"
+
+
+def test_hybrid_model_served_from_a_second_instances_store_equals_recompute(tmp_path):
+    """MLA + FP8 indexer + recurrent branch: a page's object carries its KV, its index rows and its
+    checkpoint rows; a second instance resumes the recurrence from a stored checkpoint."""
+    cfg = MLA_FULL
+    model = TinyLM(cfg)
+    kw = dict(storage=FileBackend(tmp_path), model_id="m",
+              prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
+    first_pool = cfg.pool(512, PAGE)
+    with hybrid_cache(cfg, first_pool, **kw) as first:
+        serve_and_compare(Engine(model, first_pool, first), model, clients=3, turns=3)
+        first.flush()
+        first.check_storage()
+        first.flush()
+    kw["storage"] = FileBackend(tmp_path)
+    pool = cfg.pool(48, PAGE)
+    with hybrid_cache(cfg, pool, **kw) as cache:
+        serve_and_compare(Engine(model, pool, cache), model, clients=3, turns=3)
+        cache.flush()
+        cache.verify()
+        assert cache.metrics.storage_hit_tokens > 0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hybrid_continuous_batching_equals_recompute(monkeypatch, name):
+    """Prefills beside other requests' decode steps: each running request's recurrent state goes from
+    one step to the next (a decode step starts mid-page, where no checkpoint exists), and the pages a
+    request completes while decoding get their checkpoints then."""
+    cfg = MODELS[name]
+    model = TinyLM(cfg)
+    clock = FakeClock(step_s=0.5)
+    clock.attach(model, monkeypatch)
+    pool = cfg.pool(64, PAGE)
+    reqs = staggered_requests()
+    with hybrid_cache(cfg, pool) as cache:
+        results = Engine(model, pool, cache).serve(reqs, max_running=3, clock=clock, idle=clock.idle)
+        cache.flush()
+        cache.verify()
+        assert sum(r.host_hit for r in results) > 0 and sum(r.device_hit for r in results) > 0
+    check_against_recompute(model, reqs, results)
+    assert any(1 in f and any(x > 1 for x in f) for f in clock.forwards), "no prefill beside a decode step"
+
+
+def test_a_checkpoint_is_the_state_at_its_page_boundary():
+    """The rows of each cached page hold the recurrent state after that page's last token: equal to the
+    state a fresh forward over exactly that prefix ends with."""
+    cfg = RECURRENT
+    model = TinyLM(cfg)
+    pool = cfg.pool(64, PAGE)
+    tokens = [(7 * i + 3) % cfg.vocab for i in range(4 * PAGE + 2)]
+    with hybrid_cache(cfg, pool) as cache:
+        engine = Engine(model, pool, cache)
+        engine.generate(tokens, 3)
+        cached = cache.match_prefix(tokens).device_indices
+        assert len(cached) == 4 * PAGE
+        scratch = cfg.pool(64, PAGE)
+        for end in range(PAGE, len(cached) + 1, PAGE):
+            states = [None]
+            model.forward_batch(scratch, [(tokens[:end], 0, torch.arange(end))], state=state_pool(cfg, 64, PAGE),
+                                states=states)  # fmt: skip
+            got = engine.state.kv[0][cached[end - PAGE : end]].reshape(-1)
+            assert torch.equal(got, states[0]), end
+
+
+def test_hybrid_refusals():
+    """A recurrent model without its checkpoint pool in the cache, a page size that does not divide the
+    state, a resume from mid-page without a state, a state list of the wrong length, a bad config: each
+    a clear error naming what is wrong."""
+    pool = RECURRENT.pool(64, PAGE)
+    with make_cache(pool, threaded=False) as cache, pytest.raises(ValueError, match="checkpoint pool in the cache"):
+        Engine(TinyLM(RECURRENT), pool, cache)
+    with pytest.raises(ValueError, match="page_size: 3 does not divide recurrent_dim 16"):
+        state_pool(RECURRENT, 60, 3)
+    with pytest.raises(ValueError, match="no recurrent branch"):
+        state_pool(CFG, 64, PAGE)
+    model = TinyLM(RECURRENT)
+    side = state_pool(RECURRENT, 64, PAGE)
+    with pytest.raises(ValueError, match="state: this model has a recurrent branch"):
+        model.forward_batch(pool, [([1, 2], 0, torch.arange(2))])
+    with pytest.raises(ValueError, match="states: sequence 0 starts at 2, not a page boundary"):
+        model.forward_batch(pool, [([1, 2], 2, torch.arange(4))], state=side)
+    with pytest.raises(ValueError, match="states: expected one per sequence"):
+        model.forward_batch(pool, [([1, 2], 0, torch.arange(2))], state=side, states=[None, None])
+    for bad in (dict(recurrent_dim=-1), dict(recurrent_dim=8, recurrent_layer=CFG.num_layers)):
+        with pytest.raises(ValueError, match="recurrent_"):
+            dataclasses.replace(CFG, **bad)
