@@ -51,10 +51,13 @@ def build(
     )  # fmt: skip
     host = HostKVPool(dev, layout=layout, ratio=host_ratio)
     extra: dict = {}
-    if sidecar:  # an indexer-style sidecar pool (SIDE elements a token and layer) sharing the KV's slots
+    if sidecar:  # a pool group: an indexer-style sidecar (SIDE elements a token and layer) and a one-layer
+        # state-style one (STATE elements a token: a recurrent layer's checkpoints), both sharing the KV's slots
         side = DeviceKVPool(num_slots=device_slots, num_layers=L, head_num=1, head_dim=SIDE, dtype=torch.float32,
                             device="cpu", page_size=page_size, mla=True)  # fmt: skip
-        extra["sidecars"] = [(side, HostKVPool(side, layout="page_first", ratio=host_ratio))]
+        state = DeviceKVPool(num_slots=device_slots, num_layers=1, head_num=1, head_dim=STATE, dtype=torch.float32,
+                             device="cpu", page_size=page_size, mla=True)  # fmt: skip
+        extra["sidecars"] = [(p, HostKVPool(p, layout="page_first", ratio=host_ratio)) for p in (side, state)]
     if storage is not None:  # a StorageBackend, or a directory for a FileBackend
         backend = storage if isinstance(storage, StorageBackend) else FileBackend(storage)
         policy = PrefetchPolicy("wait_complete", threshold_tokens=prefetch_threshold, batch_pages=2)
@@ -80,16 +83,18 @@ def expected_kv(tokens: list[int] | tuple[int, ...], positions: torch.Tensor) ->
 
 
 SIDE = 3  # a sidecar row: 3 float32 a token and layer (another size than the KV's H x D)
+STATE = 2  # the one-layer sidecar's row: 2 float32 a token
 
 
-def expected_side(e: torch.Tensor) -> torch.Tensor:
-    """The sidecar rows of tokens whose KV is ``e`` (:func:`expected_kv`): ``[L, n, 1, SIDE]``, derived
-    from the K (negated, its first SIDE elements): distinct per token, position and layer like the KV."""
-    return -e[0].flatten(2)[..., :SIDE].unsqueeze(2)
+def expected_side(e: torch.Tensor) -> list[torch.Tensor]:
+    """The sidecar rows of tokens whose KV is ``e`` (:func:`expected_kv`), one tensor per sidecar pool:
+    ``[L, n, 1, SIDE]`` derived from the K (negated, its first SIDE elements), and ``[1, n, 1, STATE]``
+    from the V's first layer (its last STATE elements, halved): distinct per token and position like the KV."""
+    return [-e[0].flatten(2)[..., :SIDE].unsqueeze(2), e[1][:1].flatten(2)[..., -STATE:].unsqueeze(2) / 2]
 
 
-def _side(cache: HiRadixCache):
-    return cache.controller.sidecars[0][0] if cache.controller.sidecars else None
+def _sides(cache: HiRadixCache) -> list:
+    return [d for d, _ in cache.controller.sidecars]
 
 
 def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start: int) -> None:
@@ -97,13 +102,13 @@ def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start:
     the current stream under a deferred device model: cachedata.launch_on_current), sidecar rows too."""
     if len(slots):
         e = expected_kv(tokens, torch.arange(start, start + len(tokens)))
-        side = _side(cache)
+        sides = _sides(cache)
 
         def write() -> None:
             cache.device_pool.k[:, slots] = e[0]
             cache.device_pool.v[:, slots] = e[1]
-            if side is not None:
-                side.kv[:, slots] = expected_side(e)
+            for side, rows in zip(sides, expected_side(e) if sides else (), strict=True):
+                side.kv[:, slots] = rows
 
         launch_on_current(cache, slots, write, "the driver's forward writing KV")
 
@@ -111,9 +116,10 @@ def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start:
 def device_kv_ok(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, positions: torch.Tensor) -> bool:
     host_reads(cache)
     e = expected_kv(tokens, positions)
-    side = _side(cache)
-    if side is not None and not torch.equal(side.kv[:, slots], expected_side(e)):
-        return False
+    sides = _sides(cache)
+    for side, rows in zip(sides, expected_side(e) if sides else (), strict=True):
+        if not torch.equal(side.kv[:, slots], rows):
+            return False
     return torch.equal(cache.device_pool.k[:, slots], e[0]) and torch.equal(cache.device_pool.v[:, slots], e[1])
 
 

@@ -107,10 +107,11 @@ def test_random_operations_with_storage(tmp_path, config):
 
 @pytest.mark.parametrize("config", STORAGE_CONFIGS, ids=lambda c: f"ps{c['page_size']}-{c['write_policy']}")
 def test_random_operations_with_a_sidecar_pool(config):
-    """The driver over a cache with an indexer-style sidecar pool (the storage tests' configurations):
-    every invariant after every step, and the device copy of every resident node (KV and sidecar rows
-    alike) is what was written, after any sequence of backups, evictions, load-backs, failed inserts and
-    closes."""
+    """The driver over a cache with a hybrid pool group (the storage tests' configurations): an
+    indexer-style sidecar of the KV's layers and a one-layer state-style one (a recurrent layer's
+    checkpoints) beside the KV. Every invariant after every step, and the device copy of every resident
+    node (KV and both sidecars' rows alike) is what was written, after any sequence of backups,
+    evictions, load-backs, failed inserts and closes."""
     d = driven(config, seed=21, check_kv_every=2, sidecar=True)
     assert d.counts["load_back_done"] > 0 and d.metric("load_backs") > 0
     d.cache.close()
