@@ -519,6 +519,15 @@ MUTANTS = [
         "pool)",
         ("tests/serving/test_hybrid_models.py",),
     ),
+    Mutant(
+        "window-reads-a-key-too-few",
+        "a windowed layer resuming from the cache reads its prefix's K/V from one position too late: the first "
+        "query's window misses its oldest key (34 #1, #2)",
+        "python/hicache/serving/model.py",
+        "                    first = max(0, start - window + 1) if window else 0",
+        "                    first = max(0, start - window + 2) if window else 0",
+        ("tests/serving/test_hybrid_models.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

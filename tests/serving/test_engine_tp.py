@@ -92,7 +92,7 @@ def rank_main(rank: int, init_file: str, name: str, out) -> None:
     rank_report(rank, WORLD, init_file, 60, out, work)
 
 
-@pytest.fixture(scope="module", params=["dense", "recurrent", "mla-indexer-recurrent"])
+@pytest.fixture(scope="module", params=["dense", "recurrent", "mla-indexer-recurrent", "sliding-window"])
 def served(request, tmp_path_factory) -> dict[int, dict]:
     init_file = str(tmp_path_factory.mktemp("tpe") / "store")
     return run_ranks(rank_main, (init_file, request.param), WORLD, TIMEOUT_S, grace_s=70)

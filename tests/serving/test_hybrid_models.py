@@ -30,7 +30,8 @@ from hicache.storage.tier import PrefetchPolicy
 
 RECURRENT = dataclasses.replace(CFG, recurrent_dim=16, recurrent_layer=1)
 MLA_FULL = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4, recurrent_dim=8, recurrent_layer=2)
-MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL}
+SLIDING = dataclasses.replace(CFG, sliding_window=6, full_every=3)  # layers 0, 1 windowed, layer 2 full
+MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL, "sliding-window": SLIDING}
 
 
 def sidecars_for(cfg, pool) -> list:
@@ -62,10 +63,12 @@ def test_hybrid_model_served_from_device_and_host_equals_recompute(name):
     assert sum(r.device_hit for r in stats) > 0, "nothing was reused on the device"
 
 
-def test_hybrid_model_served_from_a_second_instances_store_equals_recompute(tmp_path):
+@pytest.mark.parametrize("name", ["mla-indexer-recurrent", "sliding-window"])
+def test_hybrid_model_served_from_a_second_instances_store_equals_recompute(tmp_path, name):
     """MLA + FP8 indexer + recurrent branch: a page's object carries its KV, its index rows and its
-    checkpoint rows; a second instance resumes the recurrence from a stored checkpoint."""
-    cfg = MLA_FULL
+    checkpoint rows; a second instance resumes the recurrence from a stored checkpoint. Sliding-window
+    layers: their pages stored like full layers'."""
+    cfg = MODELS[name]
     model = TinyLM(cfg)
     kw = dict(storage=FileBackend(tmp_path), model_id="m",
               prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
@@ -125,6 +128,48 @@ def test_a_checkpoint_is_the_state_at_its_page_boundary():
             assert torch.equal(got, states[0]), end
 
 
+def test_windowed_layers_read_only_their_window():
+    """A windowed layer's K/V outside the last ``sliding_window`` positions is never read: poisoned (NaN)
+    in the pool before a request resumes, the logits still equal recompute's; poisoning a full layer's
+    rows, or a windowed layer's rows inside the window, changes them. And the window changes the model
+    (another one than the all-full model's)."""
+    cfg = SLIDING
+    model = TinyLM(cfg)
+    tokens = [(5 * i + 1) % cfg.vocab for i in range(6 * PAGE + 1)]
+    want = Engine(model, cfg.pool(64, PAGE)).generate(tokens, 3)
+    full = Engine(TinyLM(dataclasses.replace(cfg, sliding_window=0)), cfg.pool(64, PAGE)).generate(tokens, 3)
+    assert not torch.equal(full.logits, want.logits)
+
+    def resumed(poison) -> torch.Tensor:
+        pool = cfg.pool(64, PAGE)
+        with make_cache(pool, threaded=False) as cache:
+            engine = Engine(model, pool, cache)
+            engine.generate(tokens[:-1] + [0], 1)  # caches the first 6 pages
+            slots = cache.match_prefix(tokens[:-1]).device_indices
+            assert len(slots) == 6 * PAGE
+            cache.flush()  # the backups read those rows: they land first (the poison is the test's, not a forward's)
+            poison(pool, slots)
+            return engine.generate(tokens, 3).logits
+
+    outside = slice(0, len(tokens) - 1 - cfg.sliding_window)  # positions no query of this request sees
+
+    def windowed_outside(pool, slots):
+        for layer in (0, 1):
+            pool.k[layer][slots[outside]] = float("nan")
+            pool.v[layer][slots[outside]] = float("nan")
+
+    assert torch.equal(resumed(windowed_outside), want.logits)
+
+    def full_outside(pool, slots):
+        pool.k[2][slots[outside]] = float("nan")
+
+    def windowed_inside(pool, slots):
+        pool.k[0][slots[-1:]] = float("nan")
+
+    for poison in (full_outside, windowed_inside):
+        assert not torch.equal(resumed(poison), want.logits), poison.__name__
+
+
 def test_hybrid_refusals():
     """A recurrent model without its checkpoint pool in the cache, a page size that does not divide the
     state, a resume from mid-page without a state, a state list of the wrong length, a bad config: each
@@ -144,6 +189,10 @@ def test_hybrid_refusals():
         model.forward_batch(pool, [([1, 2], 2, torch.arange(4))], state=side)
     with pytest.raises(ValueError, match="states: expected one per sequence"):
         model.forward_batch(pool, [([1, 2], 0, torch.arange(2))], state=side, states=[None, None])
-    for bad in (dict(recurrent_dim=-1), dict(recurrent_dim=8, recurrent_layer=CFG.num_layers)):
-        with pytest.raises(ValueError, match="recurrent_"):
+    for bad, what in ((dict(recurrent_dim=-1), "recurrent_dim"),
+                      (dict(recurrent_dim=8, recurrent_layer=CFG.num_layers), "recurrent_layer"),
+                      (dict(sliding_window=-1), "sliding_window"), (dict(full_every=0), "full_every"),
+                      (dict(sliding_window=4, mla=True), "sliding_window"),
+                      (dict(sliding_window=4, indexer_dim=8), "sliding_window")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
             dataclasses.replace(CFG, **bad)

@@ -82,6 +82,11 @@ class ModelConfig:
     # per token: the cache keeps it as a checkpoint at every page boundary (state_pool). 0: none.
     recurrent_dim: int = 0
     recurrent_layer: int = 0
+    # Sliding-window attention (Gemma / Mistral / gpt-oss style hybrids): every layer but each
+    # full_every-th (layers full_every - 1, 2 * full_every - 1, ...) attends only to the last
+    # sliding_window tokens (itself included) and reads only their K/V from the pool. 0: every layer full.
+    sliding_window: int = 0
+    full_every: int = 2
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "kv_lora",
@@ -90,6 +95,12 @@ class ModelConfig:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
         if not isinstance(self.indexer_dim, int) or self.indexer_dim < 0:
             raise ValueError(f"indexer_dim: expected an int >= 0, got {self.indexer_dim!r}")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window: expected an int >= 0, got {self.sliding_window!r}")
+        if not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ValueError(f"full_every: expected a positive int, got {self.full_every!r}")
+        if self.sliding_window and (self.mla or self.indexer_dim):
+            raise ValueError("sliding_window: served with MHA/GQA layers only (not with mla or an indexer)")
         if not isinstance(self.recurrent_dim, int) or self.recurrent_dim < 0:
             raise ValueError(f"recurrent_dim: expected an int >= 0, got {self.recurrent_dim!r}")
         if not isinstance(self.recurrent_layer, int) or not 0 <= self.recurrent_layer < self.num_layers:
@@ -100,6 +111,10 @@ class ModelConfig:
             raise ValueError(
                 f"num_kv_heads: expected a divisor of num_heads ({self.num_heads}), got {self.num_kv_heads}"
             )
+
+    def window(self, layer: int) -> int:
+        """The attention window of ``layer`` in tokens (0: full attention)."""
+        return 0 if (layer + 1) % self.full_every == 0 else self.sliding_window
 
     def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
         """A device KV pool shaped for this model (an MLA pool of ``kv_lora`` when ``mla``)."""
@@ -330,8 +345,10 @@ class TinyLM:
                 wait_layer(li)  # the prefixes' K/V (latents) of this layer have landed in the pool
             outs = []
             row = 0
+            window = cfg.window(li)
             for (_, start, slots), m in zip(seqs, lens, strict=True):
                 q = q_all[row : row + m]
+                first = 0  # the position of keys[0]
                 into = slots[start : start + m]
                 if cfg.mla:
                     pkv = pool.kv[li]
@@ -344,8 +361,10 @@ class TinyLM:
                     pk, pv = pool.k[li], pool.v[li]
                     k_new, v_new = new[0][row : row + m].to(pk.dtype), new[1][row : row + m].to(pv.dtype)
                     put(li, into, partial(_put, (pk, pv), into, (k_new, v_new)))
-                    keys = torch.cat([pk[slots[:start]], k_new])  # [S, Hkv, d]
-                    vals = torch.cat([pv[slots[:start]], v_new])
+                    # A windowed layer reads only the K/V its first query's window reaches.
+                    first = max(0, start - window + 1) if window else 0
+                    keys = torch.cat([pk[slots[first:start]], k_new])  # [S, Hkv, d]: positions first, ...
+                    vals = torch.cat([pv[slots[first:start]], v_new])
                     if cfg.exact or not _SDPA_GQA:  # every query head its K/V head's copy: [S, Hq, d]
                         keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
                 allowed = None
@@ -360,7 +379,7 @@ class TinyLM:
                     if cfg.indexer_fp8:
                         ikeys = dequantize_index_keys(ikeys)
                     allowed = self._select(iq_all[row : row + m], ikeys, start)
-                outs.append(self._attend(q, keys, vals, start, scale, allowed))
+                outs.append(self._attend(q, keys, vals, start, scale, allowed, first, window))
                 row += m
             out = torch.cat(outs)
             if self.tp_group is not None:  # every rank's heads, in head order, before the output projection
@@ -426,11 +445,12 @@ class TinyLM:
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, scale: float,
-        allowed: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None, first: int = 0, window: int = 0,
     ) -> torch.Tensor:  # fmt: skip
-        """Causal attention of queries at positions ``start ..`` over ``keys``/``vals`` ``[S, H, d]``
-        (``H`` the query heads, or on the fast path the K/V heads, which SDPA groups itself); with
-        ``allowed`` (``[m, S]``, the indexer's choice) only over the keys it allows."""
+        """Causal attention of queries at positions ``start ..`` over ``keys``/``vals`` ``[S, H, d]`` of
+        positions ``first ..`` (``H`` the query heads, or on the fast path the K/V heads, which SDPA groups
+        itself); with ``allowed`` (``[m, S]``, the indexer's choice) only over the keys it allows; with a
+        ``window``, a query at position ``p`` only over positions ``p - window + 1 .. p``."""
         cfg = self.cfg
         m = len(q)
         if cfg.exact:
@@ -440,19 +460,21 @@ class TinyLM:
             # heads, and its rounding then changes with their number: TP ranks hold fewer).
             vals_t = vals.permute(1, 2, 0).contiguous()  # [H, d, S]
             for i in range(m):  # each query over exactly its own prefix: shapes independent of the batch
-                s = start + i + 1
-                scores = (q[i][None] * keys[:s]).sum(-1).t().contiguous()  # [Hq, s]
+                s = start + i + 1 - first
+                lo = max(0, s - window) if window else 0  # a windowed query's first key
+                scores = (q[i][None] * keys[lo:s]).sum(-1).t().contiguous()  # [Hq, s - lo]
                 if allowed is not None:
-                    scores = scores.masked_fill(~allowed[i, :s][None], float("-inf"))
+                    scores = scores.masked_fill(~allowed[i, lo:s][None], float("-inf"))
                 p = torch.softmax(scores * scale, dim=-1)
-                out[i] = (p[:, None, :] * vals_t[:, :, :s]).sum(-1)
+                out[i] = (p[:, None, :] * vals_t[:, :, lo:s]).sum(-1)
             return out
         kw: dict = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
-        if m > 1 or allowed is not None:  # a dense decode step's one query sees every key: no mask
-            kw["attn_mask"] = (
-                torch.arange(start + m, device=self.device)[None]
-                <= torch.arange(start, start + m, device=self.device)[:, None]
-            )
+        if m > 1 or allowed is not None or window:  # a dense decode step's one query sees every key: no mask
+            pos = torch.arange(first, start + m, device=self.device)[None]
+            qpos = torch.arange(start, start + m, device=self.device)[:, None]
+            kw["attn_mask"] = pos <= qpos
+            if window:
+                kw["attn_mask"] &= pos > qpos - window
             if allowed is not None:
                 kw["attn_mask"] = kw["attn_mask"] & allowed
         return torch.nn.functional.scaled_dot_product_attention(
