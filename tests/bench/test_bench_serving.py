@@ -42,10 +42,34 @@ def test_bench_serving_quick(tmp_path, workload):
     assert data["cpu_ordering"]["hit_rate_above_device_only"] is True
 
 
+@pytest.mark.parametrize(
+    "model",
+    [["--mla", "--indexer-dim", "8", "--recurrent-dim", "8"], ["--recurrent-dim", "8", "--modes", "recompute",
+     "hierarchical"], ["--sliding-window", "6", "--full-every", "2"]],
+    ids=["mla-indexer-recurrent", "recurrent", "sliding-window"],
+)  # fmt: skip
+def test_bench_serving_hybrid_models(tmp_path, model):
+    """The hybrid models through every mode they can run: each mode's answers equal recompute's (the
+    benchmark checks), hits on the host tier."""
+    out = tmp_path / "serving.json"
+    assert main(["--quick", "--json", str(out), *model]) == 0
+    data = json.loads(out.read_text())
+    res = {r["mode"]: r for r in data["results"]}
+    assert all(r["answers_equal_recompute"] for r in res.values())
+    assert res["hierarchical"]["host_hit_rate"] > 0
+
+
 def test_bench_serving_refusals(capsys):
     with pytest.raises(SystemExit):
         main(["--device-fraction", "0"])
     assert "--device-fraction" in capsys.readouterr().err
+    for bad, what in ((["--recurrent-dim", "6", "--mla"], "--recurrent-dim: expected a multiple of --page-size"),
+                      (["--recurrent-dim", "8"], "--indexer-dim, --recurrent-dim: the storage mode"),
+                      (["--sliding-window", "4", "--mla"], "--sliding-window: served with MHA/GQA layers only"),
+                      (["--full-every", "0"], "--full-every: expected >= 1")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert what in capsys.readouterr().err, bad
     import torch
 
     if not torch.cuda.is_available():

@@ -53,7 +53,7 @@ from hicache_kernels.benchutil.output import git_commit
 from ..cache.radix_cache import HiRadixCache
 from ..pools import HostKVPool
 from ..serving.engine import Engine, GenerationResult, ModelConfig, Request, TinyLM
-from ..serving.model import index_pool
+from ..serving.model import index_pool, state_pool
 from ..serving.workloads import Clients, Turn, longest_per_client, longqa, multitenant, multiturn
 from ..storage import FileBackend
 from ..storage.tier import PrefetchPolicy
@@ -98,9 +98,10 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
         host_ratio = args.storage_host_ratio if mode == "storage" else args.host_ratio
         host = HostKVPool(pool, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5)
         kw: dict[str, Any] = dict(io_backend=args.io_backend, load_back_threshold=args.page_size)
-        if cfg.indexer_dim:  # the indexer's keys: a sidecar pool moved with the KV on every tier
-            side = index_pool(cfg, pool.size, args.page_size, args.device)
-            kw["sidecars"] = [(side, HostKVPool(side, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5))]
+        # The indexer's keys and the recurrent checkpoints: sidecar pools moved with the KV on every tier.
+        kinds = ((index_pool, cfg.indexer_dim), (state_pool, cfg.recurrent_dim))
+        sides = [make(cfg, pool.size, args.page_size, args.device) for make, used in kinds if used]
+        kw["sidecars"] = [(s, HostKVPool(s, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5)) for s in sides]
         if mode == "device":  # never backed up: eviction deletes (selective backup that never triggers)
             kw.update(write_policy="write_through_selective", write_through_threshold=2**62)
         else:
@@ -284,6 +285,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--indexer-keys", choices=("fp8", "model"), default="fp8",
                    help="the index keys' storage: FP8 with a float32 scale per token, packed in uint8 rows "
                         "(DeepSeek V3.2's; default), or the model's dtype")  # fmt: skip
+    p.add_argument(
+        "--recurrent-dim",
+        type=int,
+        default=0,
+        help="a recurrent branch (Mamba / linear-attention style) of this many state channels beside "
+        "--recurrent-layer's attention, its state checkpointed at every page boundary (0: none)",
+    )
+    p.add_argument("--recurrent-layer", type=int, default=0)
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="sliding-window attention of this many tokens in every layer but each --full-every-th "
+        "(0: every layer full)",
+    )
+    p.add_argument("--full-every", type=int, default=2)
     p.add_argument("--fast", action="store_true", help="matmuls and fused attention (not bit-exact; for GPUs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the pools, the model and the copies on the GPU)")
@@ -321,9 +338,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--host-ratio: expected > 0")
     if a.indexer_dim < 0 or a.index_topk < 1 or a.kv_lora < 1:
         p.error("--indexer-dim: expected >= 0; --index-topk, --kv-lora: expected >= 1")
-    if a.indexer_dim and not a.mla and "storage" in a.modes:
-        p.error("--indexer-dim: the storage mode stores sidecar pools with MLA pages only: add --mla or drop "
-                "the storage mode")  # fmt: skip
+    if (a.indexer_dim or a.recurrent_dim) and not a.mla and "storage" in a.modes:
+        p.error("--indexer-dim, --recurrent-dim: the storage mode stores sidecar pools with MLA pages only: add "
+                "--mla or drop the storage mode")  # fmt: skip
+    if a.recurrent_dim < 0 or a.sliding_window < 0 or a.full_every < 1:
+        p.error("--recurrent-dim, --sliding-window: expected >= 0; --full-every: expected >= 1")
+    if a.recurrent_dim and a.recurrent_dim % a.page_size:
+        p.error(f"--recurrent-dim: expected a multiple of --page-size {a.page_size} (a page's rows hold one state)")
+    if a.recurrent_dim and not 0 <= a.recurrent_layer < a.layers:
+        p.error(f"--recurrent-layer: expected a layer in [0, {a.layers})")
+    if a.sliding_window and (a.mla or a.indexer_dim):
+        p.error("--sliding-window: served with MHA/GQA layers only (not with --mla or --indexer-dim)")
     return a
 
 
@@ -373,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig(num_layers=a.layers, hidden=a.hidden, num_heads=a.heads, num_kv_heads=a.kv_heads,
                       head_dim=a.head_dim, ffn=a.ffn or 2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
                       dtype=getattr(torch, a.dtype), mla=a.mla, kv_lora=a.kv_lora, indexer_dim=a.indexer_dim,
-                      index_topk=a.index_topk, indexer_fp8=a.indexer_keys == "fp8")  # fmt: skip
+                      index_topk=a.index_topk, indexer_fp8=a.indexer_keys == "fp8", recurrent_dim=a.recurrent_dim,
+                      recurrent_layer=a.recurrent_layer, sliding_window=a.sliding_window,
+                      full_every=a.full_every)  # fmt: skip
     model = TinyLM(cfg, a.device)
     longest = max(longest_per_client(turns, prompt_of, a.output_len).values())
     sizes = pool_sizes(a, turns, prompt_of)
