@@ -75,6 +75,7 @@ class LoadBacks:
         self.metrics = controller.metrics
         self.evict = evict
         self.threshold = threshold
+        self.page_size = device_pool.page_size
         self.step: list[_StepLoad] = []  # agree="step" load-backs awaiting agree()
 
     def load_back(self, node: Any, mem_quota: int | None, agree: str) -> torch.Tensor | None:
@@ -121,6 +122,12 @@ class LoadBacks:
                 if device is None:
                     self.evict(total - available)
                     device = self.device_pool.alloc(total)
+            window = self.controller.window
+            if device is not None and window is not None:  # rows for the pages whose host copy carries them
+                rows = window.host_has_rows(torch.cat([n.host_value for n in path]))
+                if rows.any() and not window.alloc_for(device[torch.from_numpy(np.repeat(rows, self.page_size))]):
+                    self.device_pool.free(device)  # no room for the rows: this load-back does not go here
+                    device = None
         except Exception as exc:  # raised after the agreement every rank must take part in
             failed = exc
 

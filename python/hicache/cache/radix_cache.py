@@ -61,6 +61,7 @@ from .load_backs import LoadBacks
 from .lookups import Lookups
 from .namespaces import RequestNamespaces
 from .storage_ops import HeldHostSlots, StorageOps, create_tier
+from .windows import WindowCut
 
 __all__ = ["CompiledNode", "HiRadixCache", "MatchResult", "TreeNode"]
 
@@ -134,7 +135,10 @@ class HiRadixCache:
         prefetch_policy: str | PrefetchPolicy = "best_effort",
         device_model: Any = None,
         sidecars: Any = (),
+        window: Any = None,
     ) -> None:
+        if (window is not None or getattr(controller, "window", None) is not None) and storage is not None:
+            raise ValueError("window: a storage tier does not store sliding-window rows yet; use no storage")
         if host_pool.page_size != device_pool.page_size:
             raise ValueError(
                 f"host_pool: page_size {host_pool.page_size} differs from the device pool's {device_pool.page_size}"
@@ -149,10 +153,10 @@ class HiRadixCache:
         self._owns_controller = controller is None
         self.controller = controller or HiCacheController(
             device_pool, host_pool, io_backend=io_backend, write_policy=write_policy, tp_group=tp_group,
-            threaded=threaded, device_model=device_model, sidecars=sidecars,
+            threaded=threaded, device_model=device_model, sidecars=sidecars, window=window,
         )  # fmt: skip
-        if controller is not None and sidecars:
-            raise ValueError("sidecars: give them to the controller (HiCacheController(..., sidecars=...))")
+        if controller is not None and (sidecars or window is not None):
+            raise ValueError("sidecars, window: give them to the controller (HiCacheController(..., sidecars=...))")
         self.write_policy = self.controller.write_policy
         self.policy = get_policy(eviction_policy)
         self.page_size = device_pool.page_size
@@ -183,6 +187,8 @@ class HiRadixCache:
         self.load_backs = LoadBacks(
             self.tree, device_pool, self.controller, self.copies, self.evict, load_back_threshold
         )
+        w = self.controller.window
+        self.window_cut = None if w is None else WindowCut(self.tree, w)
 
     @property
     def load_back_threshold(self) -> int:
@@ -228,7 +234,17 @@ class HiRadixCache:
         prefixes inserted with the same ``extra_key`` (None, or a str / bytes / int naming a request
         namespace: a LoRA adapter, a tenant's cache salt; :mod:`hicache.cache.namespaces`)."""
         self._check_open("match_prefix")
-        result, backups = self.lookups.match(self.namespaces.tokens(tokens, extra_key))
+        held = self.namespaces.tokens(tokens, extra_key)
+        if self.window_cut is not None:  # a sliding-window model resumes only where its windows are whole
+            usable, matched = self.window_cut.usable(held)
+            if usable < matched:
+                result, backups = self.lookups.match(held[:usable])
+                self.metrics.miss_tokens += len(held) - usable
+                self.metrics.window_cut_tokens += matched - usable
+                if backups:
+                    self.copies.backup_many(backups)
+                return result
+        result, backups = self.lookups.match(held)
         if backups:
             self.copies.backup_many(backups)  # every node this hit made worth a backup, in one copy op
         return result

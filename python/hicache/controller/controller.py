@@ -47,6 +47,7 @@ from hicache_kernels.backends import IO_BACKENDS, IOBackend, get_backend
 from hicache_kernels.binding import KVBinding
 
 from ..pools import DeviceKVPool, HostKVPool
+from ..pools.window_pool import WindowKVPool
 from ..streams import lifetime
 from ..streams.deferred import DeferredDevice, env_seed
 from ..streams.devices import CudaDevice, EagerDevice, KVRegion
@@ -99,6 +100,7 @@ class _Op:
     node_ids: list[int]
     ready: Any = None  # event the copy must wait for (data produced on the pools' current stream)
     generation: int = 0  # the LayerDoneCounter batch of a load
+    window: Any = None  # (window slots, host slots) of the window rows moved with it, chosen when queued
 
 
 _STOP = object()
@@ -206,7 +208,10 @@ class HiCacheController:
         layer_wise: bool = True,
         device_model: Any = None,
         sidecars: Any = (),
+        window: Any = None,
     ) -> None:
+        if window is not None and (not isinstance(window, WindowKVPool) or window.kv_pool is not device_pool):
+            raise TypeError("window: expected a WindowKVPool over the device pool (WindowKVPool(device_pool, ...))")
         if not isinstance(io_backend, IOBackend) and io_backend not in IO_BACKENDS:
             raise ValueError(
                 f"io_backend: expected one of {', '.join(IO_BACKENDS)} or an IOBackend, got {io_backend!r}"
@@ -240,8 +245,16 @@ class HiCacheController:
             (KVBinding(d.device_k, d.device_v, h.buffer, layout=h.layout, page_size=h.page_size), d, h)
             for d, h in self.sidecars
         ]
+        # The sliding-window rows: a pool pair of their own, moved with the KV pages that have rows.
+        self.window = window
+        self.window_pair = None
+        if window is not None:
+            wh = window.attach_host(host_pool)
+            wb = KVBinding(window.pool.device_k, window.pool.device_v, wh.buffer, layout=wh.layout,
+                           page_size=wh.page_size)  # fmt: skip
+            self.window_pair = (wb, window.pool, wh)
         if on_gpu:  # compiled / loaded now, not by the first copies mid-serving (nothing is copied)
-            for b, _, _ in self.pool_pairs:
+            for b, _, _ in self.pool_pairs + ([self.window_pair] if self.window_pair else []):
                 b.warm(self.backend)
         self.write_policy = write_policy
         self.tp_group = tp_group
@@ -360,6 +373,8 @@ class HiCacheController:
         self.host_pool.mark_writing(host_indices)
         device_indices = items[0][0] if len(items) == 1 else torch.cat([d for d, _ in items])
         op = _Op("write", device_indices, host_indices, [node_id for _, node_id in items], self._ready_event())
+        if self.window is not None:  # the window rows the pages have now go with them
+            op.window = self.window.plan_backup(device_indices, host_indices)
         for _, node_id in items:
             self._outstanding["write"][node_id] += 1
         self._submit(self._write_queue, op)
@@ -404,6 +419,8 @@ class HiCacheController:
             [i for p in pending for i in p.node_ids],
             self._ready_event(),
         )
+        if self.window is not None:  # the window rows their host copies carry, into the rows given to them
+            op.window = self.window.plan_load(op.device_indices, op.host_indices)
         self.completions.release_landed_loads()
         op.generation = self.layer_counter.start()  # may time out: then the loads stay pending
         self._pending_loads = []
@@ -458,16 +475,22 @@ class HiCacheController:
         # A sidecar pool's copies go with the KV's, on the same stream before the op's done event: one
         # ack covers both, so a page is never backed up or loaded half (KV without its sidecar).
         pairs = self.pool_pairs
+        # The window rows (whole: all their layers) go with the KV, before a load's first layer is signalled.
+        window = op.window is not None and len(op.window[0]) > 0
         if op.kind == "write":
             for b, d, h in pairs:
                 work = lambda s, b=b: b.backup(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
                 self._launch(stream, work, op, (d, d_idx), (h, h_idx), None)
+            if window:
+                self._launch_window(op, stream)
             return
         if self.layer_wise:
             # Indices checked and moved once per batch; each layer is one prepared launch per pool.
             backend_stream = stream if self.on_gpu else None
             loads = [(LayerLoads(b, d_idx, h_idx, backend=self.backend, stream=backend_stream), d, h)
                      for b, d, h in pairs]  # fmt: skip
+            if window:  # all its layers before the KV's first: in place before any layer is read
+                self._launch_window(op, stream)
             for layer in range(dp.num_layers):
                 for load, d, h in loads:
                     if layer >= d.num_layers:  # a sidecar of fewer layers: all issued with the first ones
@@ -476,11 +499,23 @@ class HiCacheController:
                     self._launch(stream, work, op, (h, h_idx), (d, d_idx), layer)
                 self.layer_counter.layer_issued(layer, stream, op.generation)  # the layer of every pool
             return
+        if window:
+            self._launch_window(op, stream)
         for b, d, h in pairs:
             work = lambda s, b=b: b.load(d_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
             self._launch(stream, work, op, (h, h_idx), (d, d_idx), None)
         for layer in range(dp.num_layers):
             self.layer_counter.layer_issued(layer, stream, op.generation)
+
+    def _launch_window(self, op: _Op, stream: Any) -> None:
+        """``op``'s copy of the window rows chosen when it was queued (every layer)."""
+        (b, d, h), (w_idx, h_idx) = self.window_pair, op.window
+        if op.kind == "write":
+            work = lambda s: b.backup(w_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
+            self._launch(stream, work, op, (d, w_idx), (h, h_idx), None)
+        else:
+            work = lambda s: b.load(w_idx, h_idx, backend=self.backend, stream=s)  # noqa: E731
+            self._launch(stream, work, op, (h, h_idx), (d, w_idx), None)
 
     def _launch(self, stream: Any, work: Any, op: _Op, src: tuple, dst: tuple, layer: int | None) -> None:
         """One launch of ``op`` on the device: ``src`` / ``dst`` are ``(pool, slots)``, for ``layer`` or

@@ -15,6 +15,7 @@ class CacheMetrics:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     miss_tokens: int = 0
+    window_cut_tokens: int = 0  # matched tokens a sliding-window model could not resume from (windows gone)
     tokens_written: int = 0
     bytes_written: int = 0
     write_time_s: float = 0.0

@@ -14,6 +14,7 @@ Thread-safe. Also importable from :mod:`hicache.pools`.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -141,6 +142,7 @@ class DeviceKVPool:
         self._slots = _PagedSlots(num_slots, page_size)
         # Owners of slots (add_owner) by weak reference, each with its flags' first-slot-of-page view.
         self._owners: list[tuple[weakref.ref[SlotOwner], np.ndarray]] = []
+        self._free_listeners: list[Callable[[torch.Tensor], None]] = []
 
     @property
     def device_k(self) -> torch.Tensor | list[torch.Tensor]:
@@ -185,6 +187,14 @@ class DeviceKVPool:
         frees its own when it evicts them.
         """
         self._slots.transition(_DEVICE_FREE, slots, guard=self._refuse_owned if self._owners else None)
+        for listener in self._free_listeners:
+            listener(slots)
+
+    def add_free_listener(self, listener: Callable[[torch.Tensor], None]) -> None:
+        """Call ``listener(slots)`` after every successful :meth:`free` (with the freed slots): a pool
+        keyed by this pool's pages (:class:`~hicache.pools.window_pool.WindowKVPool`) lets go of their
+        rows with them."""
+        self._free_listeners.append(listener)
 
     def add_owner(self, owner: SlotOwner) -> None:
         """Let ``owner`` (e.g. a radix tree's :class:`~hicache.cache.slot_check.TreeDeviceSlots`) hold slots:

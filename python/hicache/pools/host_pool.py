@@ -111,6 +111,8 @@ class HostKVPool:
         (MHA only), see :mod:`hicache_kernels.layouts`.
     ratio : host slots per device slot (default 2.0); used when ``size_gb`` is None.
     size_gb : host pool size in GiB; wins over ``ratio`` when given.
+    num_slots : the host pool's slots exactly (rounded down to whole pages); wins over ``size_gb`` and
+        ``ratio`` (a pool that shares another host pool's slot numbering takes its size).
     pin_memory : pin ``buffer`` (page-locked, so the GPU can DMA it and the zero-copy backends can read
         it). Default: pinned iff the device pool is on CUDA. ``True`` without CUDA raises ``ValueError``.
         Pinned memory is exactly the pool's bytes rounded up to OS pages (:mod:`hicache.pools.host_memory`;
@@ -163,6 +165,7 @@ class HostKVPool:
         safety_margin_gb: float = 2.0,
         mem_available_bytes: int | None = None,
         setup: host_memory.HostSetup | None = None,
+        num_slots: int | None = None,
     ) -> None:
         if not isinstance(device_pool, DeviceKVPool):
             raise TypeError(f"device_pool: expected a DeviceKVPool, got {type(device_pool).__name__}")
@@ -178,7 +181,12 @@ class HostKVPool:
         self.item_bytes = device_pool.item_bytes
         per_slot = device_pool.bytes_per_slot
 
-        if size_gb is not None:
+        if num_slots is not None:
+            arg = "num_slots"
+            if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+                raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
+            size = num_slots
+        elif size_gb is not None:
             arg = "size_gb"
             if not size_gb > 0:
                 raise ValueError(f"size_gb: expected a positive size in GiB, got {size_gb!r}")

@@ -27,6 +27,7 @@ import torch
 
 from ..cache.radix_cache import HiRadixCache
 from ..pools import DeviceKVPool
+from ..pools.window_pool import WindowKVPool
 from ..streams.devices import KVRegion
 from .model import ModelConfig, TinyLM, index_pool, index_row, state_pool
 
@@ -125,7 +126,7 @@ class _Running:
     """A request admitted to the running batch: its slots, locks and output so far."""
 
     __slots__ = ("admitted", "device_hit", "fed", "first", "host_hit", "load_wait", "loaded_from", "locked", "out",
-                 "prefix", "req", "rows", "slots", "state", "step_size")  # fmt: skip
+                 "prefix", "req", "rows", "slots", "state", "step_size", "trimmed")  # fmt: skip
 
     def __init__(self, req: Request, fed: int) -> None:
         self.req = req
@@ -141,6 +142,7 @@ class _Running:
         self.load_wait = 0.0
         self.step_size = 0
         self.state: torch.Tensor | None = None  # the recurrent state after its last fed token (None: none yet)
+        self.trimmed = 0  # its own pages before this position have given back their window rows
 
 
 class Engine:
@@ -165,7 +167,11 @@ class Engine:
             raise ValueError("cache: its device pool is not the engine's pool")
         c = model.cfg
         want = (True, 1, c.kv_lora) if c.mla else (False, model.kv_heads, c.head_dim)
-        if (pool.mla, pool.head_num, pool.head_dim) != want:
+        # Sliding-window layers live in the pool with the full ones, or (a pool of the full layers only,
+        # TinyLM.pool(..., windowed=True)) in a window pool of their own: the cache's, or the engine's.
+        self.windowed = bool(c.sliding_window) and pool.num_layers != c.num_layers
+        layers = sum(x >= 0 for x in c.layer_slots()[0]) if self.windowed else c.num_layers
+        if (pool.mla, pool.head_num, pool.head_dim, pool.num_layers) != (*want, layers):
             raise ValueError("pool: not shaped for this model (see TinyLM.pool)")
         self.model = model
         self.pool = pool
@@ -199,15 +205,33 @@ class Engine:
                     raise ValueError("cache: the model's recurrent branch needs its checkpoint pool in the cache "
                                      "(HiRadixCache(..., sidecars=[(state_pool(...), HostKVPool(...))]))")  # fmt: skip
                 self.state = found[0]
+        self.window: WindowKVPool | None = None
+        if self.windowed:
+            self.window = c.window_pool(pool, pool.size) if cache is None else cache.controller.window
+            if self.window is None:
+                raise ValueError("cache: the pool holds the full layers only; the windowed layers need the "
+                                 "cache's window pool (HiRadixCache(..., window=...)))")  # fmt: skip
+        elif cache is not None and cache.controller.window is not None:
+            raise ValueError("pool: the cache has a window pool but the pool holds every layer (windowed=False)")
 
     # ------------------------------------------------------------------ one request in and out
-    def _room(self, n: int) -> bool:
-        """Make ``n`` device slots free if eviction can (unlocked tree nodes); whether they are."""
+    def _room(self, n: int, rows: int = 0) -> bool:
+        """Make ``n`` device slots free, and window rows for ``rows`` tokens (a window pool), if eviction
+        can (unlocked tree nodes: evicting a page frees its window rows too); whether they are."""
         free = self.pool.available_size()
         if free < n and self.cache is not None:
             self.cache.evict(n - free)
             free = self.pool.available_size()
-        return free >= n
+        if free < n:
+            return False
+        if not rows or self.window is None:
+            return True
+        ps = self.pool.page_size
+        want = -(-rows // ps)
+        while self.window.available_pages() < want and self.cache is not None:
+            if not self.cache.evict((want - self.window.available_pages()) * ps):
+                break
+        return self.window.available_pages() >= want
 
     def _admit(self, req: Request, budget: int | None) -> _Running | None:
         """Match ``req``'s prefix, lock it, load its host part back and give it every slot it will write;
@@ -218,9 +242,11 @@ class Engine:
         need = -(-run.fed // ps) * ps
         cache = self.cache
         if cache is None:
-            if (budget is not None and len(req.prompt) > budget) or not self._room(need):
+            if (budget is not None and len(req.prompt) > budget) or not self._room(need, need):
                 return None
             run.slots = self.pool.alloc(need)
+            if self.window is not None:
+                self.window.alloc_for(run.slots)  # as large as the pool: never short
             return run
         # At most the prompt minus one token: the last one is always computed (its logits give the first
         # new token).
@@ -234,7 +260,12 @@ class Engine:
             # Room for everything past the device hit (a host hit loads into it, the rest is computed
             # into it), made before anything is loaded: a request that cannot fit changes nothing but
             # evictions.
-            if not self._room(need - len(prefix)):
+            # Window rows: for its own pages from the last window - 1 prompt tokens on (the forward writes
+            # only those of the prompt, and every new token's).
+            rows_from = need
+            if self.window is not None:
+                rows_from = max(len(prefix), max(0, len(req.prompt) - self.model.cfg.sliding_window + 1) // ps * ps)
+            if not self._room(need - len(prefix), need - rows_from):
                 self._unwind([run])
                 return None
             run.device_hit = len(prefix)
@@ -251,6 +282,10 @@ class Engine:
             rest = self.pool.alloc(need - run.prefix)
             if rest is None:  # cannot happen single-threaded (room was made above); never silently
                 raise RuntimeError(f"device pool: {need - run.prefix} slots made free, then not allocatable")
+            own_rows = rest[max(0, rows_from - run.prefix) :]
+            if self.window is not None and not self.window.alloc_for(own_rows):  # the window rows it writes
+                self.pool.free(rest)
+                raise RuntimeError(f"window pool: rows for {len(own_rows)} slots made free, then not allocatable")
         except BaseException:  # an eviction or a load-back raised: the locks taken here go back
             self._unwind([run])
             raise
@@ -265,6 +300,11 @@ class Engine:
             self.pool.free(slots)
             return
         key_len = run.fed - run.fed % ps
+        if self.window is not None:  # cached, its pages keep window rows only for its last window
+            keep_from = max(0, key_len - self.model.cfg.sliding_window + 1) // ps * ps
+            start = max(run.prefix, run.trimmed)
+            if keep_from > start:
+                self.window.trim(slots[start:keep_from])
         dup = self.cache.insert((run.req.prompt + run.out)[:key_len], slots[:key_len], extra_key=run.req.extra_key)
         if dup > run.prefix:  # another request cached part of ours meanwhile: our copies go
             self.pool.free(slots[run.prefix : dup])
@@ -360,6 +400,8 @@ class Engine:
                         continue
                 self._step(new, running, clock, t0)
                 running += new
+                if self.window is not None:
+                    self._trim_windows(running)
                 for run in [r for r in running if len(r.out) == r.req.max_new_tokens]:
                     running.remove(run)
                     self._release(run)
@@ -436,22 +478,19 @@ class Engine:
                 counter = cache.controller.layer_counter
                 # The KV this step's forward reads (every sequence's slots before its new tokens), for a
                 # device that checks reads against copies still in flight (the deferred model).
-                read = [slots[:start] for _, start, slots in seqs if start] if device.tracks_regions else []
-                pools = [p for p in (self.pool, self.index) if p is not None]
-                regions = [[KVRegion(p, torch.cat(read), (layer,)) for p in pools] if read else []
-                           for layer in range(self.pool.num_layers)]  # fmt: skip
-                if read and self.state is not None:  # the checkpoints new requests resume from
-                    regions[self.model.cfg.recurrent_layer].append(KVRegion(self.state, torch.cat(read), (0,)))
+                cfg = self.model.cfg
+                regions = self._read_regions(seqs) if device.tracks_regions else [[] for _ in range(cfg.num_layers)]
+                needed = [cfg.kv_layer_needed(li, self.windowed) for li in range(cfg.num_layers)]
 
-                def wait_and_check(layer: int) -> None:
+                def wait_and_check(layer: int) -> None:  # the model's layer
                     if generation:
                         w0 = time.perf_counter()
-                        counter.wait_until(layer, generation=generation)
+                        counter.wait_until(needed[layer], generation=generation)
                         waited[0] += time.perf_counter() - w0
                     if regions[layer]:
                         device.check_read(regions[layer], f"the forward reading layer {layer}")
 
-                if generation or read:
+                if generation or any(regions):
                     wait = wait_and_check
                 if device.tracks_regions:  # the forward's K/V writes are work on the current stream
                     current = device.current_stream()
@@ -462,7 +501,8 @@ class Engine:
                                       what=f"the forward writing layer {layer}")  # fmt: skip
 
             logits = self.model.forward_batch(self.pool, seqs, wait, last_only=True, write_kv=write_kv,
-                                              index=self.index, state=self.state, states=states)  # fmt: skip
+                                              index=self.index, state=self.state, states=states,
+                                              window=self.window)  # fmt: skip
         except BaseException:  # a load that could not start, a failed wait or forward: give back what new hold
             if device is not None:  # but first let the layers already issued finish writing into those slots
                 device.current_stream().synchronize()
@@ -477,6 +517,41 @@ class Engine:
             r.state = st
         for r in new:
             r.first, r.load_wait, r.step_size = done, waited[0], len(new)
+
+    def _trim_windows(self, running: list[_Running]) -> None:
+        """Window rows no query of a running request will read again go back: those of the pages it
+        computed itself (nobody else holds them) that its next token's window has moved past."""
+        ps, w = self.pool.page_size, self.model.cfg.sliding_window
+        for r in running:
+            nxt = len(r.req.prompt) + len(r.out) - 1  # the position of the next token it feeds
+            keep_from = max(0, nxt - w + 1) // ps * ps
+            if keep_from > max(r.prefix, r.trimmed):
+                self.window.trim(r.slots[max(r.prefix, r.trimmed) : keep_from])
+                r.trimmed = keep_from
+
+    def _read_regions(self, seqs: list) -> list[list[KVRegion]]:
+        """Per model layer, what the step's forward reads of cached KV (the prefixes before each
+        sequence's new tokens), for a device that checks reads against copies still in flight."""
+        cfg = self.model.cfg
+        read = [slots[:start] for _, start, slots in seqs if start]
+        if not read:
+            return [[] for _ in range(cfg.num_layers)]
+        read_all = torch.cat(read)
+        full_ix, win_ix = cfg.layer_slots() if self.windowed else (list(range(cfg.num_layers)), [])
+        out = []
+        for li in range(cfg.num_layers):
+            if self.windowed and win_ix[li] >= 0:  # only the window before each sequence's new tokens
+                w = cfg.sliding_window
+                near = [slots[max(0, start - w + 1) : start] for _, start, slots in seqs if start]
+                out.append([KVRegion(self.window.pool, self.window.slots(torch.cat(near)), (win_ix[li],))])
+                continue
+            layer = [KVRegion(self.pool, read_all, (full_ix[li],))]
+            if self.index is not None:
+                layer.append(KVRegion(self.index, read_all, (li,)))
+            if self.state is not None and li == cfg.recurrent_layer:  # the checkpoints new requests resume from
+                layer.append(KVRegion(self.state, read_all, (0,)))
+            out.append(layer)
+        return out
 
     def _result(self, run: _Running, now: float) -> GenerationResult:
         arrival = run.req.arrival

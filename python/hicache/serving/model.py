@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..pools import DeviceKVPool
+from ..pools.window_pool import WindowKVPool
 
 __all__ = [
     "ModelConfig",
@@ -116,13 +117,50 @@ class ModelConfig:
         """The attention window of ``layer`` in tokens (0: full attention)."""
         return 0 if (layer + 1) % self.full_every == 0 else self.sliding_window
 
-    def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
-        """A device KV pool shaped for this model (an MLA pool of ``kv_lora`` when ``mla``)."""
+    def layer_slots(self) -> tuple[list[int], list[int]]:
+        """``(full, windowed)``: each layer's index in the KV pool (full layers) and in the window pool
+        (windowed ones) when the windowed layers have a :class:`~hicache.pools.WindowKVPool`; -1 where a
+        layer is not in that pool."""
+        full, windowed, nf, nw = [], [], 0, 0
+        for li in range(self.num_layers):
+            if self.window(li):
+                full.append(-1)
+                windowed.append(nw)
+                nw += 1
+            else:
+                full.append(nf)
+                windowed.append(-1)
+                nf += 1
+        return full, windowed
+
+    def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu", *, windowed: bool = False,
+             kv_heads: int | None = None) -> DeviceKVPool:  # fmt: skip
+        """A device KV pool shaped for this model (an MLA pool of ``kv_lora`` when ``mla``). ``windowed``:
+        the full layers only (the windowed ones go to a :meth:`window_pool`)."""
+        layers = self.num_layers
+        if windowed:
+            if not self.sliding_window:
+                raise ValueError("windowed: this model has no sliding-window layers")
+            layers = sum(1 for x in self.layer_slots()[0] if x >= 0)
         if self.mla:
-            return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=1, head_dim=self.kv_lora,
+            return DeviceKVPool(num_slots=num_slots, num_layers=layers, head_num=1, head_dim=self.kv_lora,
                                 dtype=self.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
-        return DeviceKVPool(num_slots=num_slots, num_layers=self.num_layers, head_num=self.num_kv_heads,
+        return DeviceKVPool(num_slots=num_slots, num_layers=layers, head_num=kv_heads or self.num_kv_heads,
                             head_dim=self.head_dim, dtype=self.dtype, device=device, page_size=page_size)  # fmt: skip
+
+    def kv_layer_needed(self, layer: int, windowed: bool) -> int:
+        """The KV-pool layer whose load-back must have landed before ``layer`` runs. With a window pool
+        (``windowed``), a windowed layer reads only window rows, which land before the KV's layer 0."""
+        if not windowed:
+            return layer
+        full = self.layer_slots()[0][layer]
+        return full if full >= 0 else 0
+
+    def window_pool(self, kv_pool: DeviceKVPool, num_slots: int) -> WindowKVPool:
+        """The windowed layers' pool beside ``kv_pool`` (a :meth:`pool` with ``windowed=True``):
+        ``num_slots`` window slots, rows kept only where a window needs them."""
+        n = sum(1 for x in self.layer_slots()[1] if x >= 0)
+        return WindowKVPool(kv_pool, num_slots=num_slots, num_layers=n, window=self.sliding_window)
 
 
 def index_pool(cfg: ModelConfig, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
@@ -253,13 +291,11 @@ class TinyLM:
         inv = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
         self._inv_freq = inv
 
-    def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu") -> DeviceKVPool:
+    def pool(
+        self, num_slots: int, page_size: int, device: str | torch.device = "cpu", *, windowed: bool = False
+    ) -> DeviceKVPool:
         """A device KV pool for this rank: :meth:`ModelConfig.pool` with this rank's K/V heads."""
-        cfg = self.cfg
-        if cfg.mla:
-            return cfg.pool(num_slots, page_size, device)
-        return DeviceKVPool(num_slots=num_slots, num_layers=cfg.num_layers, head_num=self.kv_heads,
-                            head_dim=cfg.head_dim, dtype=cfg.dtype, device=device, page_size=page_size)  # fmt: skip
+        return self.cfg.pool(num_slots, page_size, device, windowed=windowed, kv_heads=self.kv_heads)
 
     def positions(self, start: int, n: int) -> torch.Tensor:
         pos = torch.arange(start, start + n, dtype=torch.float64)[:, None] * self._inv_freq[None]
@@ -290,6 +326,7 @@ class TinyLM:
         index: DeviceKVPool | None = None,
         state: DeviceKVPool | None = None,
         states: list[torch.Tensor | None] | None = None,
+        window: WindowKVPool | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`forward` for several sequences at once, ``(tokens, start, slots)`` each: the rows of all
         of them go through each projection together; attention stays within each sequence (a prefill
@@ -310,7 +347,15 @@ class TinyLM:
         checkpoint at ``start``, which must then be a page boundary, read from the pool after
         ``wait_layer`` of the recurrent layer, or zeros at 0). Each page boundary the new tokens reach
         writes its checkpoint into the pool (the way K/V are written); ``states`` (given or not) ends
-        holding each sequence's state after its last new token, for the next step's decode."""
+        holding each sequence's state after its last new token, for the next step's decode.
+
+        ``window``: the windowed layers' :class:`~hicache.pools.WindowKVPool`, for a model with
+        ``sliding_window`` whose ``pool`` holds the full layers only (``pool(..., windowed=True)``):
+        a windowed layer writes and reads its K/V there, at the window slots of the KV slots: it reads
+        the ``sliding_window - 1`` positions before each sequence's new tokens and writes only its last
+        ``sliding_window - 1`` new tokens (the only ones a later query reads from the pool); those pages
+        must have rows. ``wait_layer`` is called with the model's layer
+        index (:meth:`ModelConfig.kv_layer_needed` says which KV-pool layer's load it needs)."""
         cfg = self.cfg
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
@@ -328,6 +373,11 @@ class TinyLM:
             raise ValueError("index: this model has an indexer; give its sidecar pool (index_pool)")
         if cfg.recurrent_dim and state is None:
             raise ValueError("state: this model has a recurrent branch; give its checkpoint pool (state_pool)")
+        full_ix, win_ix = cfg.layer_slots() if window is not None else (list(range(cfg.num_layers)), [])
+        if window is not None and pool.num_layers != sum(1 for x in full_ix if x >= 0):
+            raise ValueError("pool: with a window pool, expected the full layers only (pool(..., windowed=True))")
+        if window is None and cfg.sliding_window and pool.num_layers != cfg.num_layers:
+            raise ValueError("window: this pool holds the full layers only; give the window pool")
         if states is None:
             states = [None] * len(seqs)
         elif len(states) != len(seqs):
@@ -345,7 +395,7 @@ class TinyLM:
                 wait_layer(li)  # the prefixes' K/V (latents) of this layer have landed in the pool
             outs = []
             row = 0
-            window = cfg.window(li)
+            wlen = cfg.window(li)
             for (_, start, slots), m in zip(seqs, lens, strict=True):
                 q = q_all[row : row + m]
                 first = 0  # the position of keys[0]
@@ -358,13 +408,22 @@ class TinyLM:
                     keys = mm(c, layer["wuk"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]  # [S, Hq, d]
                     vals = mm(c, layer["wuv"]).view(start + m, cfg.num_heads, d)[:, q0 : q0 + hq]
                 else:
-                    pk, pv = pool.k[li], pool.v[li]
-                    k_new, v_new = new[0][row : row + m].to(pk.dtype), new[1][row : row + m].to(pv.dtype)
-                    put(li, into, partial(_put, (pk, pv), into, (k_new, v_new)))
                     # A windowed layer reads only the K/V its first query's window reaches.
-                    first = max(0, start - window + 1) if window else 0
-                    keys = torch.cat([pk[slots[first:start]], k_new])  # [S, Hkv, d]: positions first, ...
-                    vals = torch.cat([pv[slots[first:start]], v_new])
+                    first = max(0, start - wlen + 1) if wlen else 0
+                    keep = 0  # the first new token whose K/V goes into the pool
+                    if wlen and window is not None:  # the window pool, at the window slots of these KV slots
+                        # Only what a later query reads from the pool: the last window - 1 new tokens (this
+                        # forward's queries take the new tokens' K/V from the projection).
+                        keep = max(0, m - wlen + 1)
+                        into_at, read_at, wl = window.slots(into[keep:]), window.slots(slots[first:start]), win_ix[li]
+                        pk, pv, target = window.pool.k[wl], window.pool.v[wl], (wl, window.pool)
+                    else:
+                        into_at, read_at, target = into, slots[first:start], (full_ix[li], None)
+                        pk, pv = pool.k[full_ix[li]], pool.v[full_ix[li]]
+                    k_new, v_new = new[0][row : row + m].to(pk.dtype), new[1][row : row + m].to(pv.dtype)
+                    put(target[0], into_at, partial(_put, (pk, pv), into_at, (k_new[keep:], v_new[keep:])), target[1])
+                    keys = torch.cat([pk[read_at], k_new])  # [S, Hkv, d]: positions first, ...
+                    vals = torch.cat([pv[read_at], v_new])
                     if cfg.exact or not _SDPA_GQA:  # every query head its K/V head's copy: [S, Hq, d]
                         keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
                 allowed = None
@@ -379,7 +438,7 @@ class TinyLM:
                     if cfg.indexer_fp8:
                         ikeys = dequantize_index_keys(ikeys)
                     allowed = self._select(iq_all[row : row + m], ikeys, start)
-                outs.append(self._attend(q, keys, vals, start, scale, allowed, first, window))
+                outs.append(self._attend(q, keys, vals, start, scale, allowed, first, wlen))
                 row += m
             out = torch.cat(outs)
             if self.tp_group is not None:  # every rank's heads, in head order, before the output projection
