@@ -31,7 +31,10 @@ from hicache.storage.tier import PrefetchPolicy
 RECURRENT = dataclasses.replace(CFG, recurrent_dim=16, recurrent_layer=1)
 MLA_FULL = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4, recurrent_dim=8, recurrent_layer=2)
 SLIDING = dataclasses.replace(CFG, sliding_window=6, full_every=3)  # layers 0, 1 windowed, layer 2 full
-MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL, "sliding-window": SLIDING}
+# "sliding-window": its windowed layers' K/V in the KV pool with the full ones; "window-pool": in a
+# WindowKVPool of three quarters of the KV pool's slots, rows only where a window needs them.
+MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL, "sliding-window": SLIDING, "window-pool": SLIDING}
+WINDOW_POOLS = {"window-pool"}
 
 
 def sidecars_for(cfg, pool) -> list:
@@ -50,17 +53,29 @@ def hybrid_cache(cfg, pool, **kw):
     return make_cache(pool, threaded=False, sidecars=sidecars_for(cfg, pool), **kw)
 
 
+def pool_and_cache_kw(name: str, model: TinyLM, slots: int, window_slots: int | None = None) -> tuple:
+    """The model's device pool of ``slots`` slots and what its cache needs beside it (sidecars, or a
+    window pool of ``window_slots``, default three quarters of the slots)."""
+    cfg = model.cfg
+    if name in WINDOW_POOLS:
+        pool = model.pool(slots, PAGE, windowed=True)
+        return pool, {"window": cfg.window_pool(pool, window_slots or slots // 2 + slots // 4 // PAGE * PAGE)}
+    pool = model.pool(slots, PAGE)
+    return pool, {"sidecars": sidecars_for(cfg, pool)}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hybrid_model_served_from_device_and_host_equals_recompute(name):
-    cfg = MODELS[name]
-    model = TinyLM(cfg)
-    pool = cfg.pool(48, PAGE)  # small: earlier turns are evicted to the host between turns
-    with hybrid_cache(cfg, pool) as cache:
+    model = TinyLM(MODELS[name])
+    pool, kw = pool_and_cache_kw(name, model, 48)  # small: earlier turns are evicted to the host between turns
+    with make_cache(pool, threaded=False, **kw) as cache:
         stats = serve_and_compare(Engine(model, pool, cache), model, clients=3, turns=3)
         cache.flush()
         cache.verify()
     assert sum(r.host_hit for r in stats) > 0, "nothing came back from the host"
     assert sum(r.device_hit for r in stats) > 0, "nothing was reused on the device"
+    if name in WINDOW_POOLS:  # shorter prefixes whose windows are gone were cut, not used
+        assert cache.metrics.window_cut_tokens > 0
 
 
 @pytest.mark.parametrize("name", ["mla-indexer-recurrent", "sliding-window"])
@@ -92,13 +107,12 @@ def test_hybrid_continuous_batching_equals_recompute(monkeypatch, name):
     """Prefills beside other requests' decode steps: each running request's recurrent state goes from
     one step to the next (a decode step starts mid-page, where no checkpoint exists), and the pages a
     request completes while decoding get their checkpoints then."""
-    cfg = MODELS[name]
-    model = TinyLM(cfg)
+    model = TinyLM(MODELS[name])
     clock = FakeClock(step_s=0.5)
     clock.attach(model, monkeypatch)
-    pool = cfg.pool(64, PAGE)
+    pool, kw = pool_and_cache_kw(name, model, 64)
     reqs = staggered_requests()
-    with hybrid_cache(cfg, pool) as cache:
+    with make_cache(pool, threaded=False, **kw) as cache:
         results = Engine(model, pool, cache).serve(reqs, max_running=3, clock=clock, idle=clock.idle)
         cache.flush()
         cache.verify()

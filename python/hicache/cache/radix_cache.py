@@ -284,6 +284,23 @@ class HiRadixCache:
         return dup
 
     # ------------------------------------------------------------------ locks
+    def adopt_window_rows(self, tokens: Any, device_indices: torch.Tensor, extra_key: Any = None) -> int:
+        """After an :meth:`insert` of ``tokens`` from ``device_indices`` that found pages cached already
+        (the caller frees its copies of them next): the window rows of the caller's copies move to the
+        cached pages that have none (a window pool; a no-op without one), so the inserted sequence's
+        window stays whole. Returns the pages whose rows moved."""
+        self._check_open("adopt_window_rows")
+        if self.window_cut is None:
+            return 0
+        cached = self.window_cut.device_slots(self.namespaces.tokens(tokens, extra_key))
+        n = min(len(cached), len(device_indices))
+        return self.controller.window.adopt(device_indices[:n], cached[:n])
+
+    def window_rows_to_load(self, node: TreeNode) -> int:
+        """Tokens of window rows :meth:`load_back` of ``node`` would take from the window pool (0 without
+        one): room a caller makes before asking."""
+        return 0 if self.window_cut is None else self.window_cut.rows_to_load(node)
+
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (e.g. while a request uses the prefix)."""
         self.tree.inc_lock_ref(node)

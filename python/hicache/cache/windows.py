@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..pools.window_pool import WindowKVPool
 from ..tree.nodes import match_path, page_key
@@ -52,3 +53,23 @@ class WindowCut:
             total += n
         rows = np.concatenate(present) if present else np.zeros(0, dtype=bool)
         return window.usable(rows), total
+
+    def device_slots(self, tokens: Any) -> torch.Tensor:
+        """The device slots of ``tokens``' cached prefix, as far as it is on the device (no lock, no
+        touch, no count: a read of the tree)."""
+        path, _, cut = match_path(self.tree.root, page_key(tokens, self.page_size), self.page_size)
+        out = []
+        for i, node in enumerate(path):
+            if node.value is None:
+                break
+            out.append(node.value[: cut if (cut and i == len(path) - 1) else len(node.key)])
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+
+    def rows_to_load(self, node: Any) -> int:
+        """Tokens of window rows a load-back of ``node`` would bring (its host-only path's pages whose
+        host copy carries rows): what it takes from the window pool."""
+        pages = 0
+        while node is not self.tree.root and node.value is None and node.host_value is not None:
+            pages += int(self.window.host_has_rows(node.host_value).sum())
+            node = node.parent
+        return pages * self.page_size

@@ -108,6 +108,19 @@ class WindowKVPool:
         offsets = np.arange(self.page_size, dtype=np.int64)
         self.pool.free(torch.from_numpy((first[:, None] + offsets).reshape(-1)))
 
+    def adopt(self, from_slots: torch.Tensor, to_slots: torch.Tensor) -> int:
+        """Move the window rows of ``from_slots``' pages to ``to_slots``' pages (page for page, whole
+        pages, the same tokens at the same positions: a request's copy of pages the tree already held)
+        where the ``to`` page has none; returns the pages moved. No data moves: the rows change owner."""
+        src, dst = self._pages(from_slots), self._pages(to_slots)
+        if len(src) != len(dst):
+            raise ValueError(f"to_slots: {len(dst)} pages for {len(src)} pages of from_slots")
+        with self._lock:
+            move = (self._page_map[src] >= 0) & (self._page_map[dst] < 0) & (src != dst)
+            self._page_map[dst[move]] = self._page_map[src[move]]
+            self._page_map[src[move]] = -1
+            return int(move.sum())
+
     def has_rows(self, kv_slots: torch.Tensor) -> np.ndarray:
         """Per KV page of ``kv_slots`` (whole pages), whether it has window rows on the device."""
         return self._page_map[self._pages(kv_slots)] >= 0

@@ -260,12 +260,14 @@ class Engine:
             # Room for everything past the device hit (a host hit loads into it, the rest is computed
             # into it), made before anything is loaded: a request that cannot fit changes nothing but
             # evictions.
-            # Window rows: for its own pages from the last window - 1 prompt tokens on (the forward writes
-            # only those of the prompt, and every new token's).
+            # Window rows: for its own pages from the last window - 1 + page_size - 1 prompt tokens on (the
+            # forward writes only those of the prompt: TinyLM.forward_batch), and every new token's.
             rows_from = need
             if self.window is not None:
-                rows_from = max(len(prefix), max(0, len(req.prompt) - self.model.cfg.sliding_window + 1) // ps * ps)
-            if not self._room(need - len(prefix), need - rows_from):
+                tail = self.model.cfg.sliding_window - 1 + ps - 1
+                rows_from = max(len(prefix), max(0, len(req.prompt) - tail) // ps * ps)
+            # (and rows for the host hit's pages that carry theirs: the load-back takes them first)
+            if not self._room(need - len(prefix), need - rows_from + cache.window_rows_to_load(m.last_host_node)):
                 self._unwind([run])
                 return None
             run.device_hit = len(prefix)
@@ -307,6 +309,8 @@ class Engine:
                 self.window.trim(slots[start:keep_from])
         dup = self.cache.insert((run.req.prompt + run.out)[:key_len], slots[:key_len], extra_key=run.req.extra_key)
         if dup > run.prefix:  # another request cached part of ours meanwhile: our copies go
+            if self.window is not None:  # their window rows go to the cached pages that have none
+                self.cache.adopt_window_rows((run.req.prompt + run.out)[:dup], slots[:dup], extra_key=run.req.extra_key)
             self.pool.free(slots[run.prefix : dup])
         if key_len < len(slots):
             self.pool.free(slots[key_len:])
@@ -524,7 +528,9 @@ class Engine:
         ps, w = self.pool.page_size, self.model.cfg.sliding_window
         for r in running:
             nxt = len(r.req.prompt) + len(r.out) - 1  # the position of the next token it feeds
-            keep_from = max(0, nxt - w + 1) // ps * ps
+            # Kept: its next token's window, and the window before the page boundary it would be cached
+            # up to if it finished now (the boundary only moves on).
+            keep_from = max(0, nxt - nxt % ps - w + 1) // ps * ps
             if keep_from > max(r.prefix, r.trimmed):
                 self.window.trim(r.slots[max(r.prefix, r.trimmed) : keep_from])
                 r.trimmed = keep_from

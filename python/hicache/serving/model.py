@@ -353,9 +353,10 @@ class TinyLM:
         ``sliding_window`` whose ``pool`` holds the full layers only (``pool(..., windowed=True)``):
         a windowed layer writes and reads its K/V there, at the window slots of the KV slots: it reads
         the ``sliding_window - 1`` positions before each sequence's new tokens and writes only its last
-        ``sliding_window - 1`` new tokens (the only ones a later query reads from the pool); those pages
-        must have rows. ``wait_layer`` is called with the model's layer
-        index (:meth:`ModelConfig.kv_layer_needed` says which KV-pool layer's load it needs)."""
+        ``sliding_window - 1 + page_size - 1`` new tokens (all a later query or a resume at the page
+        boundary before its end reads from the pool); those pages must have rows. ``wait_layer`` is
+        called with the model's layer index (:meth:`ModelConfig.kv_layer_needed` says which KV-pool
+        layer's load it needs)."""
         cfg = self.cfg
         d = cfg.head_dim
         group = cfg.num_heads // cfg.num_kv_heads
@@ -412,9 +413,11 @@ class TinyLM:
                     first = max(0, start - wlen + 1) if wlen else 0
                     keep = 0  # the first new token whose K/V goes into the pool
                     if wlen and window is not None:  # the window pool, at the window slots of these KV slots
-                        # Only what a later query reads from the pool: the last window - 1 new tokens (this
-                        # forward's queries take the new tokens' K/V from the projection).
-                        keep = max(0, m - wlen + 1)
+                        # Only what a later query or a later resume reads from the pool: the last window - 1
+                        # new tokens, and page_size - 1 more (a cache keeps whole pages: a sequence cached
+                        # up to the page boundary before its end resumes there); this forward's queries
+                        # take the new tokens' K/V from the projection.
+                        keep = max(0, m - (wlen - 1) - (window.page_size - 1))
                         into_at, read_at, wl = window.slots(into[keep:]), window.slots(slots[first:start]), win_ix[li]
                         pk, pv, target = window.pool.k[wl], window.pool.v[wl], (wl, window.pool)
                     else:
