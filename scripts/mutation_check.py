@@ -528,6 +528,51 @@ MUTANTS = [
         "                    first = max(0, start - window + 2) if window else 0",
         ("tests/serving/test_hybrid_models.py",),
     ),
+    Mutant(
+        "window-match-not-cut",
+        "a sliding-window model's match is not cut where its window's rows are gone: a request resumes from a "
+        "prefix whose windowed layers' K/V is not there (34 #1)",
+        "python/hicache/cache/radix_cache.py",
+        "            if usable < matched:",
+        "            if False and usable < matched:",
+        ("tests/cache/test_window_pool.py",),
+    ),
+    Mutant(
+        "window-rows-not-loaded",
+        "a load-back brings the KV pages back without their window rows: the rows given to them hold whatever "
+        "was there (34 #1)",
+        "python/hicache/controller/controller.py",
+        "            op.window = self.window.plan_load(op.device_indices, op.host_indices)",
+        "            op.window = None",
+        ("tests/cache/test_window_pool.py",),
+    ),
+    Mutant(
+        "window-host-rows-always-flagged",
+        "a backup flags every host page as carrying window rows, also those whose device page had none: a "
+        "load-back then hands out rows nobody wrote (34 #1)",
+        "python/hicache/pools/window_pool.py",
+        "        self._host_rows[self._pages_host(host_slots)] = present",
+        "        self._host_rows[self._pages_host(host_slots)] = True",
+        ("tests/cache/test_window_pool.py",),
+    ),
+    Mutant(
+        "window-step-trim-past-the-cache-boundary",
+        "a running request trims the rows its next token's window no longer needs, forgetting the page "
+        "boundary it will be cached up to: its cached sequence's last window is not whole (34 #1)",
+        "python/hicache/serving/engine.py",
+        "            keep_from = max(0, nxt - nxt % ps - w + 1) // ps * ps",
+        "            keep_from = max(0, nxt - w + 1) // ps * ps",
+        ("tests/serving/test_hybrid_models.py::test_cached_sequences_keep_their_last_window",),
+    ),
+    Mutant(
+        "window-rows-not-adopted",
+        "a request's copies of pages another request cached first are freed with their window rows: the cached "
+        "pages keep none, and the sequence's last window is not whole (34 #1)",
+        "python/hicache/serving/engine.py",
+        "            if self.window is not None:  # their window rows go to the cached pages that have none",
+        "            if False:",
+        ("tests/serving/test_hybrid_models.py::test_cached_sequences_keep_their_last_window",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

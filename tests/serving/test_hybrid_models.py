@@ -210,3 +210,30 @@ def test_hybrid_refusals():
                       (dict(sliding_window=4, indexer_dim=8), "sliding_window")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             dataclasses.replace(CFG, **bad)
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2, 3, 5])
+def test_cached_sequences_keep_their_last_window(new_tokens):
+    """With a window pool, every finished request's cached sequence can be resumed at its end: its last
+    window's rows are kept (the engine's trims stop short of them, whatever the output length), also when
+    part of that window lies in pages another request cached first (its copies' rows move there), and
+    pages before the window keep none."""
+    model = TinyLM(SLIDING)
+    pool, kw = pool_and_cache_kw("window-pool", model, 64)
+    system = [(3 * i + 2) % SLIDING.vocab for i in range(10)]
+    # The first caches the system prompt's pages without rows (its window lies past them); the next two
+    # recompute those pages (their matches are cut) and their last windows reach back into them.
+    prompts = [system + [1] * 9, system + [7, 8], system + [9, 10, 11]]
+    with make_cache(pool, threaded=False, **kw) as cache:
+        engine = Engine(model, pool, cache)
+        for prompt in prompts:
+            out = engine.generate(prompt, new_tokens).tokens
+            fed = len(prompt) + new_tokens - 1
+            key_len = fed - fed % PAGE
+            before = cache.metrics.window_cut_tokens
+            m = cache.match_prefix((prompt + out)[:fed])
+            assert len(m.device_indices) == key_len and cache.metrics.window_cut_tokens == before, prompt
+            rows = engine.window.has_rows(m.device_indices)
+            assert rows[(key_len - SLIDING.sliding_window + 1) // PAGE :].all()
+        all_rows = engine.window.has_rows(torch.arange(pool.size))
+        assert all_rows.sum() < pool.size // PAGE // 2  # most cached pages hold no window rows
