@@ -45,8 +45,9 @@ def test_bench_serving_quick(tmp_path, workload):
 @pytest.mark.parametrize(
     "model",
     [["--mla", "--indexer-dim", "8", "--recurrent-dim", "8"], ["--recurrent-dim", "8", "--modes", "recompute",
-     "hierarchical"], ["--sliding-window", "6", "--full-every", "2"]],
-    ids=["mla-indexer-recurrent", "recurrent", "sliding-window"],
+     "hierarchical"], ["--sliding-window", "6", "--full-every", "2"],
+     ["--sliding-window", "6", "--window-pool", "0.75", "--modes", "recompute", "device", "hierarchical"]],
+    ids=["mla-indexer-recurrent", "recurrent", "sliding-window", "window-pool"],
 )  # fmt: skip
 def test_bench_serving_hybrid_models(tmp_path, model):
     """The hybrid models through every mode they can run: each mode's answers equal recompute's (the
@@ -57,6 +58,8 @@ def test_bench_serving_hybrid_models(tmp_path, model):
     res = {r["mode"]: r for r in data["results"]}
     assert all(r["answers_equal_recompute"] for r in res.values())
     assert res["hierarchical"]["host_hit_rate"] > 0
+    if "--window-pool" in model:  # the windowed layers' K/V: three quarters of the slots, not all of them
+        assert res["hierarchical"]["device_kv_bytes"] < res["recompute"]["device_kv_bytes"]
 
 
 def test_bench_serving_refusals(capsys):
@@ -66,7 +69,9 @@ def test_bench_serving_refusals(capsys):
     for bad, what in ((["--recurrent-dim", "6", "--mla"], "--recurrent-dim: expected a multiple of --page-size"),
                       (["--recurrent-dim", "8"], "--indexer-dim, --recurrent-dim: the storage mode"),
                       (["--sliding-window", "4", "--mla"], "--sliding-window: served with MHA/GQA layers only"),
-                      (["--full-every", "0"], "--full-every: expected >= 1")):  # fmt: skip
+                      (["--full-every", "0"], "--full-every: expected >= 1"),
+                      (["--window-pool", "0.5", "--modes", "device"], "--window-pool: expected a fraction"),
+                      (["--sliding-window", "6", "--window-pool", "0.5"], "--window-pool: expected")):  # fmt: skip
         with pytest.raises(SystemExit):
             main(bad)
         assert what in capsys.readouterr().err, bad

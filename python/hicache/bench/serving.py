@@ -90,7 +90,11 @@ class _Progress(Clients):
 def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Turn], prompt_of, slots: int,
              store: Path) -> dict[str, Any]:  # fmt: skip
     cfg = model.cfg
-    pool = cfg.pool(slots, args.page_size, args.device)
+    # --window-pool: the cache modes keep the windowed layers in a window pool of that fraction of the
+    # KV pool's slots (rows only where a window needs them); recompute keeps every layer in its pool.
+    windowed = bool(args.window_pool) and mode != "recompute"
+    pool = model.pool(slots, args.page_size, args.device, windowed=windowed)
+    device_bytes = pool.total_bytes
     cache = None
     if mode != "recompute":
         # The storage mode's host pool is smaller than the working set: host evictions happen, and what
@@ -102,6 +106,10 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
         kinds = ((index_pool, cfg.indexer_dim), (state_pool, cfg.recurrent_dim))
         sides = [make(cfg, pool.size, args.page_size, args.device) for make, used in kinds if used]
         kw["sidecars"] = [(s, HostKVPool(s, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5)) for s in sides]
+        if windowed:
+            ps = args.page_size
+            kw["window"] = cfg.window_pool(pool, max(ps, int(slots * args.window_pool) // ps * ps))
+            device_bytes += kw["window"].pool.total_bytes
         if mode == "device":  # never backed up: eviction deletes (selective backup that never triggers)
             kw.update(write_policy="write_through_selective", write_through_threshold=2**62)
         else:
@@ -153,6 +161,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
     return {
         "mode": mode,
         "requests": len(rows),
+        "device_kv_bytes": device_bytes,  # the KV pool's, and the window pool's with --window-pool
+        "window_cut_tokens": m.window_cut_tokens if m is not None else 0,
         "by_tenant": by_tenant,  # multitenant: each tenant's hit rates (its own pages only)
         "ttft_p50_s": pctl(ttft, 50),
         "ttft_p90_s": pctl(ttft, 90),
@@ -301,6 +311,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(0: every layer full)",
     )
     p.add_argument("--full-every", type=int, default=2)
+    p.add_argument("--window-pool", type=float, default=0.0,
+                   help="with --sliding-window: keep the windowed layers in a window pool of this fraction of "
+                        "the KV pool's slots, rows only where a window needs them (0: in the KV pool)")  # fmt: skip
     p.add_argument("--fast", action="store_true", help="matmuls and fused attention (not bit-exact; for GPUs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the pools, the model and the copies on the GPU)")
@@ -347,6 +360,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--recurrent-dim: expected a multiple of --page-size {a.page_size} (a page's rows hold one state)")
     if a.recurrent_dim and not 0 <= a.recurrent_layer < a.layers:
         p.error(f"--recurrent-layer: expected a layer in [0, {a.layers})")
+    if a.window_pool and (not a.sliding_window or a.window_pool < 0 or "storage" in a.modes):
+        p.error("--window-pool: expected a fraction > 0, with --sliding-window, without the storage mode (which does "
+                "not store window rows yet)")  # fmt: skip
     if a.sliding_window and (a.mla or a.indexer_dim):
         p.error("--sliding-window: served with MHA/GQA layers only (not with --mla or --indexer-dim)")
     return a
