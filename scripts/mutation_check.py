@@ -573,6 +573,15 @@ MUTANTS = [
         "            if False:",
         ("tests/serving/test_hybrid_models.py::test_cached_sequences_keep_their_last_window",),
     ),
+    Mutant(
+        "sidecar-rows-left-out-of-mha-objects",
+        "an MHA page's head-group objects are stored without the sidecar rows: a page comes back from the store "
+        "without its indexer keys or checkpoints (34 #1)",
+        "python/hicache/storage/objects.py",
+        "            out += [[(start + off, n) for off, n in obj] + rows for obj in self._pattern]",
+        "            out += [[(start + off, n) for off, n in obj] for obj in self._pattern]",
+        ("tests/cache/test_sidecar_pools.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

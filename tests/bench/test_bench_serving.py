@@ -44,8 +44,8 @@ def test_bench_serving_quick(tmp_path, workload):
 
 @pytest.mark.parametrize(
     "model",
-    [["--mla", "--indexer-dim", "8", "--recurrent-dim", "8"], ["--recurrent-dim", "8", "--modes", "recompute",
-     "hierarchical"], ["--sliding-window", "6", "--full-every", "2"],
+    [["--mla", "--indexer-dim", "8", "--recurrent-dim", "8"], ["--recurrent-dim", "8", "--layout", "page_head"],
+     ["--sliding-window", "6", "--full-every", "2"],
      ["--sliding-window", "6", "--window-pool", "0.75", "--modes", "recompute", "device", "hierarchical"]],
     ids=["mla-indexer-recurrent", "recurrent", "sliding-window", "window-pool"],
 )  # fmt: skip

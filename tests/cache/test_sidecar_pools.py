@@ -145,28 +145,34 @@ def _stored(tmp_path, **kw):
     from hicache.storage import FileBackend
     from hicache.storage.tier import PrefetchPolicy
 
-    return dict(storage=FileBackend(tmp_path), model_id="m", mla=True,
+    kw.setdefault("mla", True)
+    return dict(storage=FileBackend(tmp_path), model_id="m",
                 prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE), **kw)  # fmt: skip
 
 
-def test_stored_pages_carry_their_sidecar_rows(tmp_path):
-    """MLA pages with an indexer sidecar stored by one cache come back into a fresh cache with their
-    sidecar rows, byte for byte; a cache without the sidecar, or with another (another row size, or the
-    same bytes in another host layout, which would land in another order), reads none of them."""
-    a, side_a, _ = make(**_stored(tmp_path))
+@pytest.mark.parametrize(("mla", "layout", "side_layers"), [(True, "page_first", NUM_LAYERS),
+                         (False, "page_head", NUM_LAYERS), (False, "page_head", 1)])  # fmt: skip
+def test_stored_pages_carry_their_sidecar_rows(tmp_path, mla, layout, side_layers):
+    """Pages with an indexer sidecar (or a one-layer state sidecar) stored by one cache come back into a
+    fresh cache with their sidecar rows, byte for byte: MLA pages (one object a page, the rows after the
+    KV) and MHA pages (each head group's object carries the rows after its K/V); a cache without the
+    sidecar, or with another (another row size, or the same bytes in another host layout, which would
+    land in another order), reads none of them."""
+    kw = dict(mla=mla, layout=layout, side_layers=side_layers)
+    a, side_a, _ = make(**_stored(tmp_path, **kw))
     with a:
         prefill(a, side_a, TOKENS)
         a.flush()
         a.check_storage()
         a.flush()
     for other in ({"with_sidecar": False}, {"side_elems": SIDE_ELEMS + 2}, {"sidecar_layout": "layer_first"}):
-        c, _, _ = make(**_stored(tmp_path, **other))
+        c, _, _ = make(**_stored(tmp_path, **kw, **other))
         with c:
             assert c.prefetch_from_storage("r", c.root, TOKENS) is True
             while not c.check_prefetch_progress("r"):
                 pass
             assert c.match_prefix(TOKENS).host_hit_length == 0, other
-    b, side_b, _ = make(**_stored(tmp_path))
+    b, side_b, _ = make(**_stored(tmp_path, **kw))
     with b:
         assert b.prefetch_from_storage("r", b.root, TOKENS) is True
         while not b.check_prefetch_progress("r"):
@@ -193,6 +199,6 @@ def test_sidecars_must_match_the_kv_pools():
     for sidecars, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
             HiRadixCache(dev, host, io_backend="direct", threaded=False, sidecars=sidecars)
-    with pytest.raises(ValueError, match="sidecars: a storage tier stores sidecar pools with MLA pages only"):
+    with pytest.raises(ValueError, match="sidecars: a storage tier stores sidecar rows with MHA pages only where"):
         HiRadixCache(dev, host, io_backend="direct", threaded=False, sidecars=[(side_dev, side_host)],
                      storage="file", storage_config={"path": "/tmp/unused"}, model_id="m")  # fmt: skip

@@ -78,15 +78,18 @@ def test_hybrid_model_served_from_device_and_host_equals_recompute(name):
         assert cache.metrics.window_cut_tokens > 0
 
 
-@pytest.mark.parametrize("name", ["mla-indexer-recurrent", "sliding-window"])
+@pytest.mark.parametrize("name", ["mla-indexer-recurrent", "recurrent", "sliding-window"])
 def test_hybrid_model_served_from_a_second_instances_store_equals_recompute(tmp_path, name):
     """MLA + FP8 indexer + recurrent branch: a page's object carries its KV, its index rows and its
-    checkpoint rows; a second instance resumes the recurrence from a stored checkpoint. Sliding-window
-    layers: their pages stored like full layers'."""
+    checkpoint rows; a second instance resumes the recurrence from a stored checkpoint. GQA + recurrent
+    branch: each head group's object carries the checkpoint rows (a head-grouped host layout). Sliding-
+    window layers in the KV pool: their pages stored like full layers'."""
     cfg = MODELS[name]
     model = TinyLM(cfg)
     kw = dict(storage=FileBackend(tmp_path), model_id="m",
               prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
+    if not cfg.mla:
+        kw["layout"] = "page_head"
     first_pool = cfg.pool(512, PAGE)
     with hybrid_cache(cfg, first_pool, **kw) as first:
         serve_and_compare(Engine(model, first_pool, first), model, clients=3, turns=3)

@@ -105,7 +105,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: TinyLM, turns: list[Tur
         # The indexer's keys and the recurrent checkpoints: sidecar pools moved with the KV on every tier.
         kinds = ((index_pool, cfg.indexer_dim), (state_pool, cfg.recurrent_dim))
         sides = [make(cfg, pool.size, args.page_size, args.device) for make, used in kinds if used]
-        kw["sidecars"] = [(s, HostKVPool(s, layout=args.layout, ratio=host_ratio, safety_margin_gb=0.5)) for s in sides]
+        side_layout = "page_first" if args.layout == "page_head" else args.layout  # one row a token: no heads
+        kw["sidecars"] = [(s, HostKVPool(s, layout=side_layout, ratio=host_ratio, safety_margin_gb=0.5)) for s in sides]
         if windowed:
             ps = args.page_size
             kw["window"] = cfg.window_pool(pool, max(ps, int(slots * args.window_pool) // ps * ps))
@@ -351,9 +352,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--host-ratio: expected > 0")
     if a.indexer_dim < 0 or a.index_topk < 1 or a.kv_lora < 1:
         p.error("--indexer-dim: expected >= 0; --index-topk, --kv-lora: expected >= 1")
-    if (a.indexer_dim or a.recurrent_dim) and not a.mla and "storage" in a.modes:
-        p.error("--indexer-dim, --recurrent-dim: the storage mode stores sidecar pools with MLA pages only: add "
-                "--mla or drop the storage mode")  # fmt: skip
+    if (a.indexer_dim or a.recurrent_dim) and not a.mla and "storage" in a.modes and a.layout != "page_head":
+        p.error("--indexer-dim, --recurrent-dim: the storage mode stores sidecar rows with MLA pages, or MHA pages "
+                "in --layout page_head (each head group's object carries them): add one, or drop the storage "
+                "mode")  # fmt: skip
     if a.recurrent_dim < 0 or a.sliding_window < 0 or a.full_every < 1:
         p.error("--recurrent-dim, --sliding-window: expected >= 0; --full-every: expected >= 1")
     if a.recurrent_dim and a.recurrent_dim % a.page_size:

@@ -38,6 +38,7 @@ from ..controller.controller import HiCacheController
 from ..pools import HostKVPool
 from ..storage import Namespace, StorageBackend, create_backend, page_keys
 from ..storage.keys import sidecar_description
+from ..storage.objects import StoredObjects
 from ..storage.tier import Prefetch, PrefetchPolicy, StorageTier
 from ..streams.devices import KVRegion
 from ..tree.nodes import copy_chain
@@ -63,8 +64,8 @@ def create_tier(
 ) -> StorageTier | None:
     """The storage tier ``HiRadixCache(storage=...)`` asks for (None without ``storage``); the arguments
     are the cache's (``ValueError`` naming ``model_id`` when it is missing, ``head_group`` when it does
-    not divide the host pool's heads, ``sidecars`` when the pages are not MLA's: all before a backend is
-    built). The controller's sidecar host pools are stored with their pages."""
+    not divide the host pool's heads, ``sidecars`` when a page's objects cannot carry them: all before a
+    backend is built). The controller's sidecar host pools are stored with their pages."""
     if storage is None:
         return None
     sidecars = [h for _, h in controller.sidecars]
@@ -79,8 +80,8 @@ def create_tier(
         tp = {"tp_rank": dist.get_rank(group), "tp_size": dist.get_world_size(group)}
     namespace = Namespace.for_pool(host_pool, model_id, salt=storage_salt, head_group=head_group,
                                    sidecars=tuple(sidecar_description(h) for h in sidecars), **tp)  # fmt: skip
-    if sidecars and not host_pool.mla:
-        raise ValueError("sidecars: a storage tier stores sidecar pools with MLA pages only (one object a page)")
+    if sidecars:  # where the sidecars' rows go in a page's objects (ValueError where they cannot yet)
+        StoredObjects(host_pool, head_group=head_group, sidecars=sidecars, **tp)
     backend = create_backend(storage, storage_config) if isinstance(storage, str) else storage
     return StorageTier(backend, host_pool, namespace, controller.agree_min, policy, threaded=threaded,
                        sidecars=sidecars)  # fmt: skip

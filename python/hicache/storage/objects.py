@@ -89,14 +89,12 @@ class StoredObjects:
         self.sidecars = tuple(sidecars)
         self.extra_buffers: tuple[torch.Tensor, ...] = tuple(s.buffer for s in self.sidecars)
         self.stage_pages = 0
-        if self.sidecars and not self.mla:
-            raise ValueError("sidecars: a storage tier stores sidecar pools with MLA pages only (one object a "
-                             "page); an MHA page's head-group objects have no place for them yet")  # fmt: skip
+        side_bytes = sum(s.page_bytes for s in self.sidecars)
         if self.mla:
             self.head_group = 0
             self.objects_per_page, self.first_group = 1, 0
             # A page's object: the KV page, then each sidecar's rows of the page.
-            self.page_bytes = host_pool.page_bytes + sum(s.page_bytes for s in self.sidecars)
+            self.page_bytes = host_pool.page_bytes + side_bytes
             self.zero_copy = True
             return
         heads = host_pool.head_num
@@ -119,9 +117,17 @@ class StoredObjects:
         layer = np.arange(g.num_layers)[None, None, None, None, :] * g.s_layer
         offsets = (kv + head + slot + layer).reshape(self.objects_per_page, -1)
         self._page_stride = (self.page_size // g.page_size) * g.s_page
-        self.page_bytes = offsets.shape[1] * self._row_bytes
         runs = [_runs(o, self._row_bytes) for o in offsets]
         self.zero_copy = all(len(r) <= 2 for r in runs)
+        if self.sidecars and not self.zero_copy:
+            raise ValueError(
+                f"sidecars: a storage tier stores sidecar rows with MHA pages only where a head group's object is "
+                f"read in place (layout page_head, or page_first with one head a group); {host_pool.layout} with "
+                f"{head_group} heads a group needs staging"
+            )
+        # Each head group's object: its K/V rows, then every sidecar's rows of the page (the same bytes in
+        # every group's object, so a rank of any TP size finds them in the objects it reads).
+        self.page_bytes = offsets.shape[1] * self._row_bytes + side_bytes
         if self.zero_copy:
             self._pattern = runs
             return
@@ -183,10 +189,13 @@ class StoredObjects:
                 out += [[(start + k * self.page_bytes, self.page_bytes)] for k in range(self.objects_per_page)]
             return out
         base = self.buffer.data_ptr()
+        side: list[list[tuple[int, int]]] = [[] for _ in range(len(slots) // ps)]
+        for s in self.sidecars:  # a read writes them once per object of the page: the same bytes each time
+            side = [a + b for a, b in zip(side, s.page_ranges(slots), strict=True)]
         out = []
-        for p in self.host_pool.page_indices(slots):
+        for p, rows in zip(self.host_pool.page_indices(slots), side, strict=True):
             start = base + p * self._page_stride
-            out += [[(start + off, n) for off, n in obj] for obj in self._pattern]
+            out += [[(start + off, n) for off, n in obj] + rows for obj in self._pattern]
         return out
 
     def store_slots(self, area: str, host_slots: torch.Tensor) -> torch.Tensor:
