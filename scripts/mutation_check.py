@@ -535,7 +535,10 @@ MUTANTS = [
         "python/hicache/cache/radix_cache.py",
         "            if usable < matched:",
         "            if False and usable < matched:",
-        ("tests/cache/test_window_pool.py",),
+        (
+            "tests/cache/test_window_pool.py",
+            "tests/cache/test_cache_stress.py::test_random_operations_with_a_window_pool",
+        ),
     ),
     Mutant(
         "window-rows-not-loaded",
@@ -544,7 +547,10 @@ MUTANTS = [
         "python/hicache/controller/controller.py",
         "            op.window = self.window.plan_load(op.device_indices, op.host_indices)",
         "            op.window = None",
-        ("tests/cache/test_window_pool.py",),
+        (
+            "tests/cache/test_window_pool.py",
+            "tests/cache/test_cache_stress.py::test_random_operations_with_a_window_pool",
+        ),
     ),
     Mutant(
         "window-host-rows-always-flagged",
@@ -553,7 +559,10 @@ MUTANTS = [
         "python/hicache/pools/window_pool.py",
         "        self._host_rows[self._pages_host(host_slots)] = present",
         "        self._host_rows[self._pages_host(host_slots)] = True",
-        ("tests/cache/test_window_pool.py",),
+        (
+            "tests/cache/test_window_pool.py",
+            "tests/cache/test_cache_stress.py::test_random_operations_with_a_window_pool",
+        ),
     ),
     Mutant(
         "window-step-trim-past-the-cache-boundary",

@@ -20,10 +20,12 @@ import torch
 
 from hicache import DeviceKVPool, HiRadixCache, HostKVPool, SlotState
 from hicache.cache.radix_cache import TreeNode
+from hicache.pools.window_pool import WindowKVPool
 from hicache.storage import FileBackend, StorageBackend
 from hicache.storage.tier import PrefetchPolicy
+from hicache.streams import KVRegion
 
-from cachedata import check_kv, fingerprint, host_reads, kv_index, launch_on_current, slot_key
+from cachedata import check_kv, fingerprint, host_reads, kv_index, launch_on_current, queued_device, slot_key
 
 L, H, D = 2, 1, 4
 VOCAB = 3  # few token ids: sequences share prefixes often
@@ -44,6 +46,7 @@ def build(
     storage=None,
     prefetch_threshold: int = 1,
     sidecar: bool = False,
+    window: bool = False,
 ) -> HiRadixCache:
     dev = DeviceKVPool(
         num_slots=device_slots, num_layers=L, head_num=H, head_dim=D, dtype=torch.float32, device="cpu",
@@ -58,6 +61,9 @@ def build(
         state = DeviceKVPool(num_slots=device_slots, num_layers=1, head_num=1, head_dim=STATE, dtype=torch.float32,
                              device="cpu", page_size=page_size, mla=True)  # fmt: skip
         extra["sidecars"] = [(p, HostKVPool(p, layout="page_first", ratio=host_ratio)) for p in (side, state)]
+    if window:  # a sliding-window layer's rows (one layer, half the KV slots) beside the KV
+        rows = max(page_size, device_slots // 2 // page_size * page_size)
+        extra["window"] = WindowKVPool(dev, num_slots=rows, num_layers=1, window=2 * page_size + 1)
     if storage is not None:  # a StorageBackend, or a directory for a FileBackend
         backend = storage if isinstance(storage, StorageBackend) else FileBackend(storage)
         policy = PrefetchPolicy("wait_complete", threshold_tokens=prefetch_threshold, batch_pages=2)
@@ -97,20 +103,43 @@ def _sides(cache: HiRadixCache) -> list:
     return [d for d, _ in cache.controller.sidecars]
 
 
+def expected_window(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window row's K and V for tokens whose KV is ``e``: ``[n, H, D]`` each, from the V's first layer
+    (K) and the K's second (V, negated): distinct per token and position like the KV."""
+    return e[1][0], -e[0][-1]
+
+
 def write_kv(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, start: int) -> None:
     """What a forward pass would write for ``tokens`` at positions ``start...`` into ``slots`` (queued on
-    the current stream under a deferred device model: cachedata.launch_on_current), sidecar rows too."""
+    the current stream under a deferred device model: cachedata.launch_on_current), sidecar rows too,
+    and with a window pool the window rows of the pages a later resume can read (as the engine gives
+    them: its last window - 1 + page_size - 1 tokens' pages; none where the window pool is full)."""
     if len(slots):
         e = expected_kv(tokens, torch.arange(start, start + len(tokens)))
         sides = _sides(cache)
+        window = cache.controller.window
+        at = None
+        if window is not None:
+            ps = cache.page_size
+            tail = max(0, len(slots) - (window.window - 1) - (ps - 1)) // ps * ps
+            if window.alloc_for(slots[tail:]):
+                keep = torch.from_numpy(np.repeat(window.has_rows(slots), ps))
+                at, wk, wv = window.slots(slots[keep]), *(x[keep] for x in expected_window(e))
 
         def write() -> None:
             cache.device_pool.k[:, slots] = e[0]
             cache.device_pool.v[:, slots] = e[1]
             for side, rows in zip(sides, expected_side(e) if sides else (), strict=True):
                 side.kv[:, slots] = rows
+            if at is not None:
+                window.pool.k[0][at], window.pool.v[0][at] = wk, wv
 
-        launch_on_current(cache, slots, write, "the driver's forward writing KV")
+        device = queued_device(cache)
+        if device is None or at is None:
+            launch_on_current(cache, slots, write, "the driver's forward writing KV")
+        else:
+            device.launch(device.current_stream(), lambda _: write(), what="the driver's forward writing KV",
+                          writes=[KVRegion(cache.device_pool, slots), KVRegion(window.pool, at)])  # fmt: skip
 
 
 def device_kv_ok(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, positions: torch.Tensor) -> bool:
@@ -119,6 +148,12 @@ def device_kv_ok(cache: HiRadixCache, tokens: list[int], slots: torch.Tensor, po
     sides = _sides(cache)
     for side, rows in zip(sides, expected_side(e) if sides else (), strict=True):
         if not torch.equal(side.kv[:, slots], rows):
+            return False
+    window = cache.controller.window
+    if window is not None:  # the window rows of the pages that have them
+        keep = torch.from_numpy(np.repeat(window.has_rows(slots), cache.page_size))
+        at, (wk, wv) = window.slots(slots[keep]), expected_window(e)
+        if not (torch.equal(window.pool.k[0][at], wk[keep]) and torch.equal(window.pool.v[0][at], wv[keep])):
             return False
     return torch.equal(cache.device_pool.k[:, slots], e[0]) and torch.equal(cache.device_pool.v[:, slots], e[1])
 
@@ -166,6 +201,8 @@ def check_device_kv(cache: HiRadixCache) -> int:
     if not device_kv_ok(cache, toks, s, p):
         e = expected_kv(toks, p)
         bad = ~((cache.device_pool.k[:, s] == e[0]).flatten(2).all(-1).all(0))
+        if not bad.any():
+            raise AssertionError("sidecar or window rows differ from what was written (the KV is right)")
         raise AssertionError(f"device KV differs from what was written at slots {s[bad][:8].tolist()}")
     return len(s)
 
@@ -299,6 +336,7 @@ class Driver:
         dup = c.insert(toks, full, priority=r.randrange(3))
         assert dup >= hit, (dup, hit)
         if dup > hit:
+            c.adopt_window_rows(toks[:dup], full[:dup])
             self.dev.free(full[hit:dup])
 
     def op_request(self, r: random.Random) -> None:
@@ -321,6 +359,7 @@ class Driver:
         dup = c.insert(q.tokens, full, priority=priority)
         assert dup >= q.hit, (dup, q.hit)
         if dup > q.hit:
+            c.adopt_window_rows(q.tokens[:dup], full[:dup])
             self.dev.free(full[q.hit : dup])
         c.dec_lock_ref(q.node)
 
@@ -333,6 +372,11 @@ class Driver:
         m = self.cache.match_prefix(toks)
         n = len(m.device_indices)
         assert n % self.cache.page_size == 0 and n + m.host_hit_length <= len(toks)
+        window = self.cache.controller.window
+        if window is not None and n and not m.host_hit_length:  # a usable match's window is whole
+            ps = self.cache.page_size
+            need = min(n, -(-(window.window - 1) // ps) * ps)
+            assert window.has_rows(m.device_indices[n - need :]).all(), "a match resumes where its window is gone"
         if n and self.steps % self.check_kv_every == 0 and not self.loading(m.last_device_node):
             check_kv(self.cache, toks[:n], m.device_indices)
 
@@ -447,6 +491,10 @@ class Driver:
         toks = self.tokens(r)
         m = c.match_prefix(toks)
         hit = len(m.device_indices)
+        if c.window_cut is not None and c.window_cut.usable(toks)[1] > hit:
+            # A cut match: the tree holds pages past it, which an insert takes as duplicates, unchecked.
+            self.counts["bad_insert_after_a_cut"] += 1
+            return
         c.inc_lock_ref(m.last_device_node)
         mine = self.alloc(len(toks) - hit)
         c.dec_lock_ref(m.last_device_node)
@@ -664,8 +712,10 @@ class Driver:
             c.flush()
             self.check()
             m = c.match_prefix(toks)
-            assert len(m.device_indices) == len(toks) and m.host_hit_length == 0
-            check_kv(c, toks, m.device_indices)  # cachedata's per-slot check
+            # With a window pool, as far as its windows are whole (the match before the load was cut there).
+            whole = len(toks) if c.window_cut is None else c.window_cut.usable(toks)[0]
+            assert len(m.device_indices) == whole and m.host_hit_length == 0
+            check_kv(c, toks[:whole], m.device_indices)  # cachedata's per-slot check
             loaded += 1
         self.counts["drain_loaded"] += loaded
         c.evict(self.dev.size)

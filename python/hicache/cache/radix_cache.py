@@ -498,6 +498,8 @@ class HiRadixCache:
             external_device,
         )  # fmt: skip
         check_kept(self.tree)
+        if self.controller.window is not None:
+            self.controller.window.check()
 
     def close(self, drain: bool = True, timeout: float = 60.0) -> None:
         """Stop the cache: afterwards no call changes the tree (they raise ``RuntimeError``).

@@ -184,6 +184,20 @@ class WindowKVPool:
         kv = kv_slots.cpu()[keep]
         return self.slots(kv), host_slots.cpu()[keep]
 
+    def check(self) -> None:
+        """``AssertionError`` naming the first broken invariant: each window page is given to at most one
+        KV page, only allocated KV pages have rows, and every allocated window page is given to one (no
+        rows leak)."""
+        with self._lock:
+            pm = self._page_map.copy()
+        mapped = pm[pm >= 0]
+        assert len(np.unique(mapped)) == len(mapped), "window pool: a window page given to two KV pages"
+        with_rows = np.flatnonzero(pm >= 0)
+        kv_states = self.kv_pool._slots.states_of(with_rows * self.page_size)
+        assert (kv_states != 0).all(), f"window pool: free KV pages hold rows: {with_rows[kv_states == 0][:8].tolist()}"
+        allocated = self.pool.size // self.page_size - self.available_pages()
+        assert allocated == len(mapped), f"window pool: {allocated} pages allocated, {len(mapped)} given to KV pages"
+
     def __repr__(self) -> str:
         return (
             f"WindowKVPool(window={self.window}, {self.pool.num_layers} layers, {self.pool.size} slots, "
