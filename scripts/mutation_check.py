@@ -591,6 +591,15 @@ MUTANTS = [
         "            out += [[(start + off, n) for off, n in obj] for obj in self._pattern]",
         ("tests/cache/test_sidecar_pools.py",),
     ),
+    Mutant(
+        "window-flag-of-the-wrong-page",
+        "a stored page's objects carry its window rows but the rows flag of host page 0, not its own: a page read "
+        "back from the store claims rows its writer never had, or loses those it had (34 #1)",
+        "python/hicache/storage/objects.py",
+        "            flag = [(w.host_flags.data_ptr() + p, 1)]  # the page's rows flag, last",
+        "            flag = [(w.host_flags.data_ptr(), 1)]",
+        ("tests/cache/test_window_pool.py",),
+    ),
     # The SGLang storage adapter (issue 33): run where SGLang's host pools import (CI's GPU-image leg,
     # HICACHE_SGLANG_PATH set), with HICACHE_REQUIRE_CLIENTS=1 so a skip cannot pass for a catch.
     Mutant(

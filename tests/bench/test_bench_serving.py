@@ -46,7 +46,7 @@ def test_bench_serving_quick(tmp_path, workload):
     "model",
     [["--mla", "--indexer-dim", "8", "--recurrent-dim", "8"], ["--recurrent-dim", "8", "--layout", "page_head"],
      ["--sliding-window", "6", "--full-every", "2"],
-     ["--sliding-window", "6", "--window-pool", "0.75", "--modes", "recompute", "device", "hierarchical"]],
+     ["--sliding-window", "6", "--window-pool", "0.75", "--layout", "page_head"]],
     ids=["mla-indexer-recurrent", "recurrent", "sliding-window", "window-pool"],
 )  # fmt: skip
 def test_bench_serving_hybrid_models(tmp_path, model):
@@ -71,7 +71,7 @@ def test_bench_serving_refusals(capsys):
                       (["--sliding-window", "4", "--mla"], "--sliding-window: served with MHA/GQA layers only"),
                       (["--full-every", "0"], "--full-every: expected >= 1"),
                       (["--window-pool", "0.5", "--modes", "device"], "--window-pool: expected a fraction"),
-                      (["--sliding-window", "6", "--window-pool", "0.5"], "--window-pool: expected")):  # fmt: skip
+                      (["--sliding-window", "6", "--window-pool", "0.5"], "--window-pool: the storage")):  # fmt: skip
         with pytest.raises(SystemExit):
             main(bad)
         assert what in capsys.readouterr().err, bad

@@ -22,14 +22,14 @@ WINDOW = 6  # a resume reads the 5 tokens before it: the 2 pages before a page b
 TOKENS = [(11 * i + 5) % 900 for i in range(32)]  # 8 pages
 
 
-def make(window_slots: int = 32, **kw) -> tuple[HiRadixCache, WindowKVPool]:
+def make(window_slots: int = 32, layout: str = "page_first", window: int = WINDOW, **kw) -> tuple:
     dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
                        dtype=torch.float32, device="cpu", page_size=PAGE)  # fmt: skip
-    host = HostKVPool(dev, ratio=2.0, safety_margin_gb=0.0)
-    window = WindowKVPool(dev, num_slots=window_slots, num_layers=2, window=WINDOW)
+    host = HostKVPool(dev, layout=layout, ratio=2.0, safety_margin_gb=0.0)
+    pool = WindowKVPool(dev, num_slots=window_slots, num_layers=2, window=window)
     cache = HiRadixCache(dev, host, io_backend="direct", write_policy="write_through", threaded=False,
-                         load_back_threshold=1, window=window, **kw)  # fmt: skip
-    return cache, window
+                         load_back_threshold=1, window=pool, **kw)  # fmt: skip
+    return cache, pool
 
 
 def row_value(token: int, position: int, layer: int) -> torch.Tensor:
@@ -191,8 +191,11 @@ def test_window_refusals():
     for bad in (0, -1, 1.5):
         with pytest.raises((ValueError, TypeError), match="window"):
             WindowKVPool(cache.device_pool, num_slots=8, num_layers=1, window=bad)
-    with pytest.raises(ValueError, match="window: a storage tier does not store sliding-window rows"):
-        HiRadixCache(cache.device_pool, cache.host_pool, io_backend="direct", threaded=False, window=window,
+    with pytest.raises(ValueError, match="window: a storage tier stores window rows only where"):
+        dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=2, head_dim=HEAD_DIM, dtype=torch.float32,
+                           device="cpu", page_size=PAGE)  # fmt: skip
+        HiRadixCache(dev, HostKVPool(dev, layout="page_first", ratio=2.0, safety_margin_gb=0.0), io_backend="direct",
+                     threaded=False, window=WindowKVPool(dev, num_slots=8, num_layers=1, window=WINDOW),
                      storage="file", storage_config={"path": "/tmp/unused"}, model_id="m")  # fmt: skip
     other = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
                          dtype=torch.float32, device="cpu", page_size=PAGE)  # fmt: skip
@@ -201,3 +204,54 @@ def test_window_refusals():
                      threaded=False, window=window)  # fmt: skip
     with pytest.raises(ValueError, match="host_kv: this window pool has its host pool already"):
         window.attach_host(cache.host_pool)
+
+
+def test_stored_pages_carry_their_window_rows(tmp_path):
+    """A page stored with a window pool carries its window rows and the flag saying whether it has them
+    (in each head group's object): a fresh cache prefetches the pages, loads them back with rows where
+    the writer had rows, byte for byte, and cuts a match where the stored pages had none; a cache
+    without a window pool, or with another window, reads none of those pages."""
+    from hicache.storage import FileBackend
+    from hicache.storage.tier import PrefetchPolicy
+
+    def stored(**kw):
+        return make(layout="page_head", storage=FileBackend(tmp_path), model_id="m",
+                    prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE), **kw)  # fmt: skip
+
+    a, wa = stored()
+    with a:
+        cache_sequence(a, wa, TOKENS, rows_from=24)
+        a.flush()
+        a.check_storage()
+        a.flush()
+    b, wb = stored()
+    with b:
+        assert b.prefetch_from_storage("r", b.root, TOKENS) is True
+        while not b.check_prefetch_progress("r"):
+            pass
+        for layer in range(wb.pool.num_layers):  # poison: only loaded rows may match
+            wb.pool.k[layer].fill_(float("nan"))
+            wb.pool.v[layer].fill_(float("nan"))
+        m = b.match_prefix(TOKENS)
+        assert m.host_hit_length == 32 and b.window_rows_to_load(m.last_host_node) == 8
+        assert b.load_back(m.last_host_node) is not None
+        b.start_loading()
+        b.flush()
+        slots = b.match_prefix(TOKENS).device_indices
+        check_kv(b, TOKENS, slots)
+        assert wb.has_rows(slots).tolist() == [False] * 6 + [True] * 2
+        check_rows(b, wb, TOKENS[24:], slots[24:], start=24)
+        cut = b.match_prefix(TOKENS[:16] + [7] * 4)  # the stored pages' window before position 16 had no rows
+        assert len(cut.device_indices) == 0 and cut.host_hit_length == 0
+        b.verify()
+    dev = DeviceKVPool(num_slots=64, num_layers=NUM_LAYERS, head_num=HEAD_NUM, head_dim=HEAD_DIM,
+                       dtype=torch.float32, device="cpu", page_size=PAGE)  # fmt: skip
+    plain = HiRadixCache(dev, HostKVPool(dev, layout="page_head", ratio=2.0, safety_margin_gb=0.0),
+                         io_backend="direct", threaded=False, storage=FileBackend(tmp_path), model_id="m",
+                         prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
+    for other in (stored(window=WINDOW + 1)[0], plain):
+        with other:
+            assert other.prefetch_from_storage("r", other.root, TOKENS) is True
+            while not other.check_prefetch_progress("r"):
+                pass
+            assert other.match_prefix(TOKENS).host_hit_length == 0

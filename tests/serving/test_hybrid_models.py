@@ -78,31 +78,32 @@ def test_hybrid_model_served_from_device_and_host_equals_recompute(name):
         assert cache.metrics.window_cut_tokens > 0
 
 
-@pytest.mark.parametrize("name", ["mla-indexer-recurrent", "recurrent", "sliding-window"])
+@pytest.mark.parametrize("name", ["mla-indexer-recurrent", "recurrent", "sliding-window", "window-pool"])
 def test_hybrid_model_served_from_a_second_instances_store_equals_recompute(tmp_path, name):
     """MLA + FP8 indexer + recurrent branch: a page's object carries its KV, its index rows and its
     checkpoint rows; a second instance resumes the recurrence from a stored checkpoint. GQA + recurrent
     branch: each head group's object carries the checkpoint rows (a head-grouped host layout). Sliding-
-    window layers in the KV pool: their pages stored like full layers'."""
+    window layers in the KV pool: their pages stored like full layers'; in a window pool: each head
+    group's object carries its heads' window rows and the page's rows flag."""
     cfg = MODELS[name]
     model = TinyLM(cfg)
     kw = dict(storage=FileBackend(tmp_path), model_id="m",
               prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
     if not cfg.mla:
         kw["layout"] = "page_head"
-    first_pool = cfg.pool(512, PAGE)
-    with hybrid_cache(cfg, first_pool, **kw) as first:
+    first_pool, first_kw = pool_and_cache_kw(name, model, 512)
+    with make_cache(first_pool, threaded=False, **first_kw, **kw) as first:
         serve_and_compare(Engine(model, first_pool, first), model, clients=3, turns=3)
         first.flush()
         first.check_storage()
         first.flush()
     kw["storage"] = FileBackend(tmp_path)
-    pool = cfg.pool(48, PAGE)
-    with hybrid_cache(cfg, pool, **kw) as cache:
-        serve_and_compare(Engine(model, pool, cache), model, clients=3, turns=3)
+    pool, pool_kw = pool_and_cache_kw(name, model, 48)
+    with make_cache(pool, threaded=False, **pool_kw, **kw) as cache:
+        stats = serve_and_compare(Engine(model, pool, cache), model, clients=3, turns=3)
         cache.flush()
         cache.verify()
-        assert cache.metrics.storage_hit_tokens > 0
+        assert cache.metrics.storage_hit_tokens > 0 and sum(r.host_hit for r in stats) > 0
 
 
 @pytest.mark.parametrize("name", list(MODELS))

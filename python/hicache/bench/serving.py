@@ -362,9 +362,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--recurrent-dim: expected a multiple of --page-size {a.page_size} (a page's rows hold one state)")
     if a.recurrent_dim and not 0 <= a.recurrent_layer < a.layers:
         p.error(f"--recurrent-layer: expected a layer in [0, {a.layers})")
-    if a.window_pool and (not a.sliding_window or a.window_pool < 0 or "storage" in a.modes):
-        p.error("--window-pool: expected a fraction > 0, with --sliding-window, without the storage mode (which does "
-                "not store window rows yet)")  # fmt: skip
+    if a.window_pool and (not a.sliding_window or a.window_pool < 0):
+        p.error("--window-pool: expected a fraction > 0, with --sliding-window")
+    if a.window_pool and "storage" in a.modes and a.layout != "page_head":
+        p.error("--window-pool: the storage mode stores window rows in each head group's object: add --layout "
+                "page_head, or drop the storage mode")  # fmt: skip
     if a.sliding_window and (a.mla or a.indexer_dim):
         p.error("--sliding-window: served with MHA/GQA layers only (not with --mla or --indexer-dim)")
     return a

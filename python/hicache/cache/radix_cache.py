@@ -137,8 +137,6 @@ class HiRadixCache:
         sidecars: Any = (),
         window: Any = None,
     ) -> None:
-        if (window is not None or getattr(controller, "window", None) is not None) and storage is not None:
-            raise ValueError("window: a storage tier does not store sliding-window rows yet; use no storage")
         if host_pool.page_size != device_pool.page_size:
             raise ValueError(
                 f"host_pool: page_size {host_pool.page_size} differs from the device pool's {device_pool.page_size}"

@@ -37,7 +37,7 @@ import torch
 from ..controller.controller import HiCacheController
 from ..pools import HostKVPool
 from ..storage import Namespace, StorageBackend, create_backend, page_keys
-from ..storage.keys import sidecar_description
+from ..storage.keys import sidecar_description, window_description
 from ..storage.objects import StoredObjects
 from ..storage.tier import Prefetch, PrefetchPolicy, StorageTier
 from ..streams.devices import KVRegion
@@ -78,13 +78,15 @@ def create_tier(
         import torch.distributed as dist  # noqa: PLC0415
 
         tp = {"tp_rank": dist.get_rank(group), "tp_size": dist.get_world_size(group)}
+    window = controller.window
+    described = tuple(sidecar_description(h) for h in sidecars) + ((window_description(window),) if window else ())
     namespace = Namespace.for_pool(host_pool, model_id, salt=storage_salt, head_group=head_group,
-                                   sidecars=tuple(sidecar_description(h) for h in sidecars), **tp)  # fmt: skip
-    if sidecars:  # where the sidecars' rows go in a page's objects (ValueError where they cannot yet)
-        StoredObjects(host_pool, head_group=head_group, sidecars=sidecars, **tp)
+                                   sidecars=described, **tp)  # fmt: skip
+    if sidecars or window is not None:  # where their rows go in a page's objects (ValueError where they cannot)
+        StoredObjects(host_pool, head_group=head_group, sidecars=sidecars, window=window, **tp)
     backend = create_backend(storage, storage_config) if isinstance(storage, str) else storage
     return StorageTier(backend, host_pool, namespace, controller.agree_min, policy, threaded=threaded,
-                       sidecars=sidecars)  # fmt: skip
+                       sidecars=sidecars, window=window)  # fmt: skip
 
 
 class HeldHostSlots:

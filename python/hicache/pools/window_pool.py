@@ -17,8 +17,10 @@ The KV pool's slot numbering stays the only one the tree knows:
   is gone stays in the tree, reusable only up to where its windows are whole.
 
 On the host the rows of a backed-up page sit in a host pool sharing the host KV pool's slot numbering
-(:meth:`WindowKVPool.attach_host`), with a flag per host page saying whether its rows came along (they
-do when the device page had them at the backup). Thread-safe for the cache's use: the maps change on
+(:meth:`WindowKVPool.attach_host`), with a flag byte per host page saying whether its rows came along
+(they do when the device page had them at the backup). A storage tier stores both with the page (each
+head group's object carries its heads' rows and the flag), so a page read back from the store says
+whether it has rows. Thread-safe for the cache's use: the maps change on
 the scheduler's thread; the copies read what was decided when they were queued.
 """
 
@@ -68,6 +70,8 @@ class WindowKVPool:
         # KV page -> window page (-1: none), and the host pages whose backup carried window rows.
         self._page_map = np.full(kv_pool.size // self.page_size, -1, dtype=np.int64)
         self.host: HostKVPool | None = None
+        # One byte per host page (1: its backup carried rows): a stored page's object carries its byte.
+        self.host_flags = torch.zeros(0, dtype=torch.uint8)
         self._host_rows: np.ndarray = np.zeros(0, dtype=bool)
         kv_pool.add_free_listener(self.trim)
 
@@ -156,7 +160,8 @@ class WindowKVPool:
             raise ValueError("host_kv: this window pool has its host pool already")
         self.host = HostKVPool(self.pool, layout=host_kv.layout, num_slots=host_kv.size, pin_memory=host_kv.pinned,
                                safety_margin_gb=0.0)  # fmt: skip
-        self._host_rows = np.zeros(host_kv.size // self.page_size, dtype=bool)
+        self.host_flags = torch.zeros(host_kv.size // self.page_size, dtype=torch.uint8)
+        self._host_rows = self.host_flags.numpy().view(bool)  # the same bytes
         return self.host
 
     def host_has_rows(self, host_slots: torch.Tensor) -> np.ndarray:

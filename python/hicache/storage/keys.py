@@ -130,6 +130,11 @@ class Namespace:
         return hashlib.sha256(blob.encode()).digest()
 
 
+def window_description(window: object) -> str:
+    """What a window pool's stored rows depend on: ``"window<W>:"`` and its host pool's description."""
+    return f"window{window.window}:" + sidecar_description(window.host)  # type: ignore[attr-defined]
+
+
 def sidecar_description(host_pool: object) -> str:
     """What a sidecar host pool's stored bytes depend on: ``"<dtype>:<layers>x<heads>x<head_dim>@<layout>"``."""
     p = host_pool

@@ -79,6 +79,7 @@ class StoredObjects:
         stage_bytes: int = STAGE_BYTES,
         max_pages: int = 128,
         sidecars: Sequence[Any] = (),
+        window: Any = None,
     ) -> None:
         if isinstance(head_group, bool) or not isinstance(head_group, int) or head_group < 1:
             raise ValueError(f"head_group: expected a positive int, got {head_group!r}")
@@ -90,6 +91,8 @@ class StoredObjects:
         self.extra_buffers: tuple[torch.Tensor, ...] = tuple(s.buffer for s in self.sidecars)
         self.stage_pages = 0
         side_bytes = sum(s.page_bytes for s in self.sidecars)
+        if window is not None and self.mla:
+            raise ValueError("window: sliding-window rows are stored with MHA pages only")
         if self.mla:
             self.head_group = 0
             self.objects_per_page, self.first_group = 1, 0
@@ -108,17 +111,22 @@ class StoredObjects:
         self.first_group = tp_rank * self.objects_per_page
         g = host_pool.geometry
         self._row_bytes = host_pool.head_dim * host_pool.dtype.itemsize  # one head of one token and layer
-        # Rows (of _row_bytes) of page 0's objects in stored order: [group, K|V, head, token, layer].
-        kv = np.arange(2)[None, :, None, None, None] * g.s_kv
-        head = np.arange(heads).reshape(self.objects_per_page, 1, head_group, 1, 1)
-        head = head * (g.s_chunk if g.num_chunks > 1 else self._row_bytes)
-        n = np.arange(self.page_size)
-        slot = ((n // g.page_size) * g.s_page + (n % g.page_size) * g.s_in_page)[None, None, None, :, None]
-        layer = np.arange(g.num_layers)[None, None, None, None, :] * g.s_layer
-        offsets = (kv + head + slot + layer).reshape(self.objects_per_page, -1)
-        self._page_stride = (self.page_size // g.page_size) * g.s_page
+        offsets, slot, self._page_stride = _group_offsets(host_pool, head_group, self.objects_per_page)
         runs = [_runs(o, self._row_bytes) for o in offsets]
         self.zero_copy = all(len(r) <= 2 for r in runs)
+        self._window = window
+        window_bytes = 0
+        if window is not None:  # each group's object: its heads' window rows and the page's rows flag, last
+            w_offsets, _, self._w_stride = _group_offsets(window.host, head_group, self.objects_per_page)
+            self._w_pattern = [_runs(o, self._row_bytes) for o in w_offsets]
+            if not self.zero_copy or any(len(r) > 2 for r in self._w_pattern):
+                raise ValueError(
+                    f"window: a storage tier stores window rows only where a head group's object is read in "
+                    f"place (layout page_head, or page_first with one head a group), not {host_pool.layout} "
+                    f"with {head_group} heads a group"
+                )
+            window_bytes = w_offsets.shape[1] * self._row_bytes + 1
+            self.extra_buffers += (window.host.buffer, window.host_flags)
         if self.sidecars and not self.zero_copy:
             raise ValueError(
                 f"sidecars: a storage tier stores sidecar rows with MHA pages only where a head group's object is "
@@ -127,7 +135,7 @@ class StoredObjects:
             )
         # Each head group's object: its K/V rows, then every sidecar's rows of the page (the same bytes in
         # every group's object, so a rank of any TP size finds them in the objects it reads).
-        self.page_bytes = offsets.shape[1] * self._row_bytes + side_bytes
+        self.page_bytes = offsets.shape[1] * self._row_bytes + side_bytes + window_bytes
         if self.zero_copy:
             self._pattern = runs
             return
@@ -135,7 +143,7 @@ class StoredObjects:
         # inside a page), copied to and from a staging page in stored order, in the widest element that
         # divides a row.
         s_n = g.s_page if g.page_size == 1 else g.s_in_page
-        assert np.array_equal(slot.reshape(-1), n * s_n), "a layout not affine in the token of a page"
+        assert np.array_equal(slot.reshape(-1), np.arange(self.page_size) * s_n), "a layout not affine in a page"
         elem = next(e for e in (8, 4, 2, 1) if self._row_bytes % e == 0)
         h_b = g.s_chunk if g.num_chunks > 1 else self._row_bytes
         self._view = (
@@ -193,9 +201,16 @@ class StoredObjects:
         for s in self.sidecars:  # a read writes them once per object of the page: the same bytes each time
             side = [a + b for a, b in zip(side, s.page_ranges(slots), strict=True)]
         out = []
+        w = self._window
         for p, rows in zip(self.host_pool.page_indices(slots), side, strict=True):
             start = base + p * self._page_stride
-            out += [[(start + off, n) for off, n in obj] + rows for obj in self._pattern]
+            if w is None:
+                out += [[(start + off, n) for off, n in obj] + rows for obj in self._pattern]
+                continue
+            w_start = w.host.buffer.data_ptr() + p * self._w_stride
+            flag = [(w.host_flags.data_ptr() + p, 1)]  # the page's rows flag, last
+            out += [[(start + off, n) for off, n in obj] + rows + [(w_start + off, n) for off, n in wobj] + flag
+                    for obj, wobj in zip(self._pattern, self._w_pattern, strict=True)]  # fmt: skip
         return out
 
     def store_slots(self, area: str, host_slots: torch.Tensor) -> torch.Tensor:
@@ -233,6 +248,21 @@ class StoredObjects:
             stage = self._stage_pages[AREAS.index(area)]
             for q, page in enumerate(pages):
                 self._page_view(page).copy_(stage[q])
+
+
+def _group_offsets(pool: Any, head_group: int, groups: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Byte offsets of the rows (one head of one token and layer) of ``pool``'s page 0 objects in stored
+    order ``[group, K|V, head, token, layer]`` (``[groups, rows]``), the token offsets, and the page stride."""
+    g = pool.geometry
+    row = pool.head_dim * pool.dtype.itemsize
+    kv = np.arange(2)[None, :, None, None, None] * g.s_kv
+    head = np.arange(groups * head_group).reshape(groups, 1, head_group, 1, 1)
+    head = head * (g.s_chunk if g.num_chunks > 1 else row)
+    n = np.arange(pool.page_size)
+    slot = ((n // g.page_size) * g.s_page + (n % g.page_size) * g.s_in_page)[None, None, None, :, None]
+    layer = np.arange(g.num_layers)[None, None, None, None, :] * g.s_layer
+    offsets = (kv + head + slot + layer).reshape(groups, -1)
+    return offsets, slot, (pool.page_size // g.page_size) * g.s_page
 
 
 def _runs(offsets: np.ndarray, nbytes: int) -> list[tuple[int, int]]:

@@ -149,7 +149,10 @@ class StorageTier:
     threaded : run backups, hit queries and prefetch reads on the tier's three threads (default). ``False`` runs each
         inline when it is submitted (as the controller's ``threaded=False``): deterministic, for tests.
     sidecars : the sidecar host pools (sharing ``host_pool``'s slots) whose rows each page's object carries
-        after the KV (MLA pages only; the namespace must describe them: ``Namespace.sidecars``).
+        after the KV (MLA pages, or MHA pages in a zero-copy layout; the namespace must describe them:
+        ``Namespace.sidecars``).
+    window : the cache's :class:`~hicache.pools.window_pool.WindowKVPool` (its host rows and flags go in
+        each head group's object; MHA pages in a zero-copy layout; described in ``Namespace.sidecars``).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class StorageTier:
         policy: PrefetchPolicy | None = None,
         threaded: bool = True,
         sidecars: Sequence[Any] = (),
+        window: Any = None,
     ) -> None:
         if not isinstance(backend, StorageBackend):
             raise TypeError(f"storage: expected a StorageBackend (or a backend name), got {type(backend).__name__}")
@@ -172,7 +176,7 @@ class StorageTier:
         self.page_size = host_pool.page_size
         self.objects = StoredObjects(host_pool, tp_rank=namespace.tp_rank, tp_size=namespace.tp_size,
                                      head_group=namespace.head_group, max_pages=self.policy.batch_pages,
-                                     sidecars=sidecars)  # fmt: skip
+                                     sidecars=sidecars, window=window)  # fmt: skip
         # A batch is at most a staging area's pages (staged objects).
         self._batch = min(self.policy.batch_pages, self.objects.stage_pages or self.policy.batch_pages)
         self.backend = backend.attach(self.objects)
