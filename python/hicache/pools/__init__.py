@@ -1,5 +1,6 @@
 """KV pools of the hierarchical cache: the layer-first device pool (:mod:`hicache.pools.device_pool`) and
-the pinned host pool (:mod:`hicache.pools.host_pool`), both importable from here.
+the pinned host pool (:mod:`hicache.pools.host_pool`), both importable from here, with the
+sliding-window layers' pool (:class:`WindowKVPool`, :mod:`hicache.pools.window_pool`).
 
 :class:`DeviceKVPool` holds every layer's K and V (MHA) or latent vector (MLA) for ``size`` token
 slots on the GPU, in the layer-first form attention kernels read and :mod:`hicache_kernels.ops`
@@ -48,5 +49,6 @@ from __future__ import annotations
 from .device_pool import DeviceKVPool, SlotOwner
 from .host_pool import HostKVPool
 from .paged_slots import SlotState
+from .window_pool import WindowKVPool
 
-__all__ = ["DeviceKVPool", "HostKVPool", "SlotOwner", "SlotState"]
+__all__ = ["DeviceKVPool", "HostKVPool", "SlotOwner", "SlotState", "WindowKVPool"]
