@@ -1,6 +1,8 @@
 """Hybrid models served over the cache (issue 34): a recurrent branch (Mamba / linear-attention style, its
-state checkpointed at every page boundary in a one-layer sidecar pool), alone beside MHA attention or
-together with MLA and a DeepSeek V3.2-style FP8 indexer (two sidecar pools of different depths). Every
+state checkpointed at every page boundary in a one-layer sidecar pool), beside MHA attention in one layer,
+together with MLA and a DeepSeek V3.2-style FP8 indexer (two sidecar pools of different depths), or as a
+layer of its own without attention among sliding-window and full layers (Jamba / Nemotron-H style); and
+sliding-window layers, their K/V in the KV pool or in a window pool of their own. Every
 request's tokens and logits equal a full recompute's, bit for bit, whatever tier its prefix came from
 (device, host, a second instance's store) and in continuous batching, where each request's state is
 carried from one decode step to the next. A prefix resumed from a missing or misplaced checkpoint
@@ -33,8 +35,13 @@ MLA_FULL = dataclasses.replace(CFG, mla=True, indexer_dim=12, index_topk=4, recu
 SLIDING = dataclasses.replace(CFG, sliding_window=6, full_every=3)  # layers 0, 1 windowed, layer 2 full
 # "sliding-window": its windowed layers' K/V in the KV pool with the full ones; "window-pool": in a
 # WindowKVPool of three quarters of the KV pool's slots, rows only where a window needs them.
-MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL, "sliding-window": SLIDING, "window-pool": SLIDING}
-WINDOW_POOLS = {"window-pool"}
+# "recurrent-layer": layer 0 a recurrent layer with no attention (Jamba / Nemotron-H style), layers 1 and 3
+# full attention, layer 2 windowed (in a window pool).
+RECURRENT_LAYER = dataclasses.replace(CFG, num_layers=4, recurrent_dim=16, recurrent_layer=0, recurrent_only=True,
+                                      sliding_window=6, full_every=2)  # fmt: skip
+MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL, "sliding-window": SLIDING, "window-pool": SLIDING,
+          "recurrent-layer": RECURRENT_LAYER}  # fmt: skip
+WINDOW_POOLS = {"window-pool", "recurrent-layer"}
 
 
 def sidecars_for(cfg, pool) -> list:
@@ -57,11 +64,11 @@ def pool_and_cache_kw(name: str, model: TinyLM, slots: int, window_slots: int | 
     """The model's device pool of ``slots`` slots and what its cache needs beside it (sidecars, or a
     window pool of ``window_slots``, default three quarters of the slots)."""
     cfg = model.cfg
+    pool = model.pool(slots, PAGE, windowed=name in WINDOW_POOLS)
+    kw = {"sidecars": sidecars_for(cfg, pool)}
     if name in WINDOW_POOLS:
-        pool = model.pool(slots, PAGE, windowed=True)
-        return pool, {"window": cfg.window_pool(pool, window_slots or slots // 2 + slots // 4 // PAGE * PAGE)}
-    pool = model.pool(slots, PAGE)
-    return pool, {"sidecars": sidecars_for(cfg, pool)}
+        kw["window"] = cfg.window_pool(pool, window_slots or slots // 2 + slots // 4 // PAGE * PAGE)
+    return pool, kw
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -78,7 +85,7 @@ def test_hybrid_model_served_from_device_and_host_equals_recompute(name):
         assert cache.metrics.window_cut_tokens > 0
 
 
-@pytest.mark.parametrize("name", ["mla-indexer-recurrent", "recurrent", "sliding-window", "window-pool"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_hybrid_model_served_from_a_second_instances_store_equals_recompute(tmp_path, name):
     """MLA + FP8 indexer + recurrent branch: a page's object carries its KV, its index rows and its
     checkpoint rows; a second instance resumes the recurrence from a stored checkpoint. GQA + recurrent
@@ -211,7 +218,9 @@ def test_hybrid_refusals():
                       (dict(recurrent_dim=8, recurrent_layer=CFG.num_layers), "recurrent_layer"),
                       (dict(sliding_window=-1), "sliding_window"), (dict(full_every=0), "full_every"),
                       (dict(sliding_window=4, mla=True), "sliding_window"),
-                      (dict(sliding_window=4, indexer_dim=8), "sliding_window")):  # fmt: skip
+                      (dict(sliding_window=4, indexer_dim=8), "sliding_window"),
+                      (dict(recurrent_only=True), "recurrent_only"),
+                      (dict(recurrent_only=True, recurrent_dim=8, mla=True), "recurrent_only")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             dataclasses.replace(CFG, **bad)
 

@@ -169,8 +169,8 @@ class Engine:
         want = (True, 1, c.kv_lora) if c.mla else (False, model.kv_heads, c.head_dim)
         # Sliding-window layers live in the pool with the full ones, or (a pool of the full layers only,
         # TinyLM.pool(..., windowed=True)) in a window pool of their own: the cache's, or the engine's.
-        self.windowed = bool(c.sliding_window) and pool.num_layers != c.num_layers
-        layers = sum(x >= 0 for x in c.layer_slots()[0]) if self.windowed else c.num_layers
+        self.windowed = bool(c.sliding_window) and pool.num_layers != sum(x >= 0 for x in c.layer_slots(False)[0])
+        layers = sum(x >= 0 for x in c.layer_slots(self.windowed)[0])
         if (pool.mla, pool.head_num, pool.head_dim, pool.num_layers) != (*want, layers):
             raise ValueError("pool: not shaped for this model (see TinyLM.pool)")
         self.model = model
@@ -543,10 +543,13 @@ class Engine:
         if not read:
             return [[] for _ in range(cfg.num_layers)]
         read_all = torch.cat(read)
-        full_ix, win_ix = cfg.layer_slots() if self.windowed else (list(range(cfg.num_layers)), [])
+        full_ix, win_ix = cfg.layer_slots(self.windowed)
         out = []
         for li in range(cfg.num_layers):
-            if self.windowed and win_ix[li] >= 0:  # only the window before each sequence's new tokens
+            if not cfg.attends(li):  # a recurrent layer reads only the checkpoints new requests resume from
+                out.append([KVRegion(self.state, read_all, (0,))])
+                continue
+            if win_ix[li] >= 0:  # only the window before each sequence's new tokens
                 w = cfg.sliding_window
                 near = [slots[max(0, start - w + 1) : start] for _, start, slots in seqs if start]
                 out.append([KVRegion(self.window.pool, self.window.slots(torch.cat(near)), (win_ix[li],))])

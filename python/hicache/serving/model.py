@@ -83,6 +83,9 @@ class ModelConfig:
     # per token: the cache keeps it as a checkpoint at every page boundary (state_pool). 0: none.
     recurrent_dim: int = 0
     recurrent_layer: int = 0
+    # The recurrent layer has no attention (a Mamba layer of a Jamba / Nemotron-H style hybrid): its
+    # output is the recurrent branch's alone, and it has no K/V in any pool.
+    recurrent_only: bool = False
     # Sliding-window attention (Gemma / Mistral / gpt-oss style hybrids): every layer but each
     # full_every-th (layers full_every - 1, 2 * full_every - 1, ...) attends only to the last
     # sliding_window tokens (itself included) and reads only their K/V from the pool. 0: every layer full.
@@ -100,6 +103,8 @@ class ModelConfig:
             raise ValueError(f"sliding_window: expected an int >= 0, got {self.sliding_window!r}")
         if not isinstance(self.full_every, int) or self.full_every < 1:
             raise ValueError(f"full_every: expected a positive int, got {self.full_every!r}")
+        if self.recurrent_only and (not self.recurrent_dim or self.mla):
+            raise ValueError("recurrent_only: needs recurrent_dim, with MHA/GQA attention layers (not mla)")
         if self.sliding_window and (self.mla or self.indexer_dim):
             raise ValueError("sliding_window: served with MHA/GQA layers only (not with mla or an indexer)")
         if not isinstance(self.recurrent_dim, int) or self.recurrent_dim < 0:
@@ -117,31 +122,36 @@ class ModelConfig:
         """The attention window of ``layer`` in tokens (0: full attention)."""
         return 0 if (layer + 1) % self.full_every == 0 else self.sliding_window
 
-    def layer_slots(self) -> tuple[list[int], list[int]]:
-        """``(full, windowed)``: each layer's index in the KV pool (full layers) and in the window pool
-        (windowed ones) when the windowed layers have a :class:`~hicache.pools.WindowKVPool`; -1 where a
-        layer is not in that pool."""
-        full, windowed, nf, nw = [], [], 0, 0
+    def attends(self, layer: int) -> bool:
+        """Whether ``layer`` has attention (and K/V in a pool): all but a ``recurrent_only`` layer."""
+        return not (self.recurrent_only and self.recurrent_dim and layer == self.recurrent_layer)
+
+    def layer_slots(self, windowed: bool) -> tuple[list[int], list[int]]:
+        """``(kv, window)``: each layer's index in the KV pool and in the window pool, -1 where a layer is
+        not in that pool. ``windowed``: the windowed layers have a :class:`~hicache.pools.WindowKVPool`
+        (the KV pool holds the full layers); else every attention layer is in the KV pool."""
+        kv, win, nk, nw = [], [], 0, 0
         for li in range(self.num_layers):
-            if self.window(li):
-                full.append(-1)
-                windowed.append(nw)
+            if not self.attends(li):
+                kv.append(-1)
+                win.append(-1)
+            elif windowed and self.window(li):
+                kv.append(-1)
+                win.append(nw)
                 nw += 1
             else:
-                full.append(nf)
-                windowed.append(-1)
-                nf += 1
-        return full, windowed
+                kv.append(nk)
+                win.append(-1)
+                nk += 1
+        return kv, win
 
     def pool(self, num_slots: int, page_size: int, device: str | torch.device = "cpu", *, windowed: bool = False,
              kv_heads: int | None = None) -> DeviceKVPool:  # fmt: skip
         """A device KV pool shaped for this model (an MLA pool of ``kv_lora`` when ``mla``). ``windowed``:
         the full layers only (the windowed ones go to a :meth:`window_pool`)."""
-        layers = self.num_layers
-        if windowed:
-            if not self.sliding_window:
-                raise ValueError("windowed: this model has no sliding-window layers")
-            layers = sum(1 for x in self.layer_slots()[0] if x >= 0)
+        if windowed and not self.sliding_window:
+            raise ValueError("windowed: this model has no sliding-window layers")
+        layers = sum(1 for x in self.layer_slots(windowed)[0] if x >= 0)
         if self.mla:
             return DeviceKVPool(num_slots=num_slots, num_layers=layers, head_num=1, head_dim=self.kv_lora,
                                 dtype=self.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
@@ -151,15 +161,13 @@ class ModelConfig:
     def kv_layer_needed(self, layer: int, windowed: bool) -> int:
         """The KV-pool layer whose load-back must have landed before ``layer`` runs. With a window pool
         (``windowed``), a windowed layer reads only window rows, which land before the KV's layer 0."""
-        if not windowed:
-            return layer
-        full = self.layer_slots()[0][layer]
-        return full if full >= 0 else 0
+        kv = self.layer_slots(windowed)[0][layer]
+        return kv if kv >= 0 else 0  # a recurrent layer's checkpoints land with the KV's layer 0 too
 
     def window_pool(self, kv_pool: DeviceKVPool, num_slots: int) -> WindowKVPool:
         """The windowed layers' pool beside ``kv_pool`` (a :meth:`pool` with ``windowed=True``):
         ``num_slots`` window slots, rows kept only where a window needs them."""
-        n = sum(1 for x in self.layer_slots()[1] if x >= 0)
+        n = sum(1 for x in self.layer_slots(True)[1] if x >= 0)
         return WindowKVPool(kv_pool, num_slots=num_slots, num_layers=n, window=self.sliding_window)
 
 
@@ -374,17 +382,24 @@ class TinyLM:
             raise ValueError("index: this model has an indexer; give its sidecar pool (index_pool)")
         if cfg.recurrent_dim and state is None:
             raise ValueError("state: this model has a recurrent branch; give its checkpoint pool (state_pool)")
-        full_ix, win_ix = cfg.layer_slots() if window is not None else (list(range(cfg.num_layers)), [])
-        if window is not None and pool.num_layers != sum(1 for x in full_ix if x >= 0):
-            raise ValueError("pool: with a window pool, expected the full layers only (pool(..., windowed=True))")
-        if window is None and cfg.sliding_window and pool.num_layers != cfg.num_layers:
-            raise ValueError("window: this pool holds the full layers only; give the window pool")
+        full_ix, win_ix = cfg.layer_slots(window is not None)
+        if pool.num_layers != sum(1 for x in full_ix if x >= 0):
+            if window is None and cfg.sliding_window:
+                raise ValueError("window: this pool holds the full layers only; give the window pool")
+            raise ValueError(f"pool: expected {sum(1 for x in full_ix if x >= 0)} layers (TinyLM.pool), got "
+                             f"{pool.num_layers}")  # fmt: skip
         if states is None:
             states = [None] * len(seqs)
         elif len(states) != len(seqs):
             raise ValueError(f"states: expected one per sequence ({len(seqs)}), got {len(states)}")
         for li, layer in enumerate(self.layers):
             a = _rmsnorm(x)
+            if not cfg.attends(li):  # a recurrent layer: its branch alone, no K/V
+                if wait_layer is not None:
+                    wait_layer(li)  # the checkpoints new sequences resume from have landed
+                x = x + self._recur(a, seqs, lens, layer, state, states, put, mm)
+                x = x + mm(torch.nn.functional.gelu(mm(_rmsnorm(x), layer["w1"])), layer["w2"])
+                continue
             q_all = mm(a, layer["wq"]).view(n, cfg.num_heads, d)[:, q0 : q0 + hq]
             if cfg.indexer_dim:
                 iq_all, ik_all = mm(a, layer["wiq"]), mm(a, layer["wik"])
