@@ -46,8 +46,9 @@ def test_bench_serving_quick(tmp_path, workload):
     "model",
     [["--mla", "--indexer-dim", "8", "--recurrent-dim", "8"], ["--recurrent-dim", "8", "--layout", "page_head"],
      ["--sliding-window", "6", "--full-every", "2"],
-     ["--sliding-window", "6", "--window-pool", "0.75", "--layout", "page_head"]],
-    ids=["mla-indexer-recurrent", "recurrent", "sliding-window", "window-pool"],
+     ["--sliding-window", "6", "--window-pool", "0.75", "--layout", "page_head"],
+     ["--recurrent-dim", "8", "--recurrent-only", "--layout", "page_head"]],
+    ids=["mla-indexer-recurrent", "recurrent", "sliding-window", "window-pool", "recurrent-layer"],
 )  # fmt: skip
 def test_bench_serving_hybrid_models(tmp_path, model):
     """The hybrid models through every mode they can run: each mode's answers equal recompute's (the
@@ -70,6 +71,7 @@ def test_bench_serving_refusals(capsys):
                       (["--recurrent-dim", "8"], "--indexer-dim, --recurrent-dim: the storage mode"),
                       (["--sliding-window", "4", "--mla"], "--sliding-window: served with MHA/GQA layers only"),
                       (["--full-every", "0"], "--full-every: expected >= 1"),
+                      (["--recurrent-only"], "--recurrent-only: needs --recurrent-dim"),
                       (["--window-pool", "0.5", "--modes", "device"], "--window-pool: expected a fraction"),
                       (["--sliding-window", "6", "--window-pool", "0.5"], "--window-pool: the storage")):  # fmt: skip
         with pytest.raises(SystemExit):

@@ -223,6 +223,11 @@ def test_hybrid_refusals():
                       (dict(recurrent_only=True, recurrent_dim=8, mla=True), "recurrent_only")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             dataclasses.replace(CFG, **bad)
+    with pytest.raises(ValueError, match="no attention layer for the KV pool"):
+        dataclasses.replace(CFG, num_layers=1, recurrent_dim=8, recurrent_only=True).pool(8, PAGE)
+    with pytest.raises(ValueError, match="no windowed attention layer"):
+        no_windowed = dataclasses.replace(CFG, num_layers=2, sliding_window=4, full_every=1)
+        no_windowed.window_pool(no_windowed.pool(8, PAGE), 8)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 5])

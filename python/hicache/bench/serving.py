@@ -304,6 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--recurrent-layer's attention, its state checkpointed at every page boundary (0: none)",
     )
     p.add_argument("--recurrent-layer", type=int, default=0)
+    p.add_argument("--recurrent-only", action="store_true",
+                   help="the recurrent layer has no attention (a Mamba layer of a Jamba-style hybrid)")  # fmt: skip
     p.add_argument(
         "--sliding-window",
         type=int,
@@ -360,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--recurrent-dim, --sliding-window: expected >= 0; --full-every: expected >= 1")
     if a.recurrent_dim and a.recurrent_dim % a.page_size:
         p.error(f"--recurrent-dim: expected a multiple of --page-size {a.page_size} (a page's rows hold one state)")
+    if a.recurrent_only and (not a.recurrent_dim or a.mla):
+        p.error("--recurrent-only: needs --recurrent-dim, without --mla")
     if a.recurrent_dim and not 0 <= a.recurrent_layer < a.layers:
         p.error(f"--recurrent-layer: expected a layer in [0, {a.layers})")
     if a.window_pool and (not a.sliding_window or a.window_pool < 0):
@@ -419,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                       head_dim=a.head_dim, ffn=a.ffn or 2 * a.hidden, vocab=a.vocab, exact=not a.fast, seed=a.seed,
                       dtype=getattr(torch, a.dtype), mla=a.mla, kv_lora=a.kv_lora, indexer_dim=a.indexer_dim,
                       index_topk=a.index_topk, indexer_fp8=a.indexer_keys == "fp8", recurrent_dim=a.recurrent_dim,
-                      recurrent_layer=a.recurrent_layer, sliding_window=a.sliding_window,
-                      full_every=a.full_every)  # fmt: skip
+                      recurrent_layer=a.recurrent_layer, recurrent_only=a.recurrent_only,
+                      sliding_window=a.sliding_window, full_every=a.full_every)  # fmt: skip
     model = TinyLM(cfg, a.device)
     longest = max(longest_per_client(turns, prompt_of, a.output_len).values())
     sizes = pool_sizes(a, turns, prompt_of)

@@ -152,6 +152,8 @@ class ModelConfig:
         if windowed and not self.sliding_window:
             raise ValueError("windowed: this model has no sliding-window layers")
         layers = sum(1 for x in self.layer_slots(windowed)[0] if x >= 0)
+        if not layers:
+            raise ValueError("full_every, recurrent_only: this model has no attention layer for the KV pool")
         if self.mla:
             return DeviceKVPool(num_slots=num_slots, num_layers=layers, head_num=1, head_dim=self.kv_lora,
                                 dtype=self.dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
@@ -168,6 +170,8 @@ class ModelConfig:
         """The windowed layers' pool beside ``kv_pool`` (a :meth:`pool` with ``windowed=True``):
         ``num_slots`` window slots, rows kept only where a window needs them."""
         n = sum(1 for x in self.layer_slots(True)[1] if x >= 0)
+        if not n:
+            raise ValueError("sliding_window: this model has no windowed attention layer (see full_every)")
         return WindowKVPool(kv_pool, num_slots=num_slots, num_layers=n, window=self.sliding_window)
 
 
