@@ -480,7 +480,7 @@ MUTANTS = [
         "indexer-fp8-scale-per-batch",
         "the FP8 index keys are scaled by the batch's amax, not each token's own: a token's stored key then "
         "depends on what was computed with it, and a prefix from the cache scores otherwise than recomputed (34 #1)",
-        "python/hicache/serving/model.py",
+        "python/hicache/serving/config.py",
         "    scale = (keys.float().abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp_min(1e-12)",
         "    scale = (keys.float().abs().amax().expand(len(keys), 1).contiguous() / _FP8_MAX).clamp_min(1e-12)",
         ("tests/serving/test_engine.py::test_indexer_model_served_equals_recompute",),
@@ -524,8 +524,8 @@ MUTANTS = [
         "a windowed layer resuming from the cache reads its prefix's K/V from one position too late: the first "
         "query's window misses its oldest key (34 #1, #2)",
         "python/hicache/serving/model.py",
-        "                    first = max(0, start - window + 1) if window else 0",
-        "                    first = max(0, start - window + 2) if window else 0",
+        "                    first = max(0, start - wlen + 1) if wlen else 0",
+        "                    first = max(0, start - wlen + 2) if wlen else 0",
         ("tests/serving/test_hybrid_models.py",),
     ),
     Mutant(
