@@ -44,15 +44,16 @@ MODELS = {"recurrent": RECURRENT, "mla-indexer-recurrent": MLA_FULL, "sliding-wi
 WINDOW_POOLS = {"window-pool", "recurrent-layer"}
 
 
-def sidecars_for(cfg, pool) -> list:
-    """The model's sidecar pools over ``pool``'s slots, each with its host pool."""
+def sidecars_for(cfg, pool, ratio: float = 8.0) -> list:
+    """The model's sidecar pools over ``pool``'s slots, each with its host pool (``ratio``: the KV host
+    pool's, whose slots they share)."""
     out = []
     if cfg.indexer_dim:
         side = index_pool(cfg, pool.size, PAGE)
-        out.append((side, HostKVPool(side, ratio=8.0, safety_margin_gb=0.0)))
+        out.append((side, HostKVPool(side, ratio=ratio, safety_margin_gb=0.0)))
     if cfg.recurrent_dim:
         side = state_pool(cfg, pool.size, PAGE)
-        out.append((side, HostKVPool(side, ratio=8.0, safety_margin_gb=0.0)))
+        out.append((side, HostKVPool(side, ratio=ratio, safety_margin_gb=0.0)))
     return out
 
 

@@ -7,7 +7,8 @@ store, on the file backend and on Mooncake.
   logits (the engine's check), every page of its prompt from storage.
 - A TP=1 engine serves another prompt into the store; fresh TP=2 ranks serve it from the store, equal to
   the recompute, and each rank's device KV of the prompt equals its heads of the model's KV, byte for byte.
-- The same for an MLA model (every rank holds the whole latent; only rank 0 writes).
+- The same for an MLA model (every rank holds the whole latent; only rank 0 writes), a hybrid: its
+  FP8 indexer keys and recurrent checkpoints are sidecar rows in each page's object.
 - Host layouts differ between writer and reader (staged ``page_first`` / ``layer_first`` against zero
   copy ``page_head``): MHA objects are head-major whatever the layout. (MLA objects keep their host
   layout's order, in the namespace: every side uses one layout there.)
@@ -25,15 +26,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from mooncakedata import make_backend
 from test_engine import CFG, PAGE
+from test_hybrid_models import sidecars_for
 from tpharness import rank_report, run_ranks
 
 from hicache import HiRadixCache, HostKVPool
 from hicache.serving.engine import Engine, TinyLM
+from hicache.serving.model import index_pool, state_pool
 from hicache.storage.tier import PrefetchPolicy
 
 WORLD = 2
 TIMEOUT_S = 300  # a hang detector, not a speed limit
-CFG_MLA = dataclasses.replace(CFG, mla=True, kv_lora=12)
+# The MLA model is a hybrid: a DeepSeek V3.2-style FP8 indexer and a recurrent branch, their sidecar
+# pools stored with each page (every rank holds the same rows; rank 0 writes).
+CFG_MLA = dataclasses.replace(CFG, mla=True, kv_lora=12, indexer_dim=8, index_topk=4, recurrent_dim=8,
+                              recurrent_layer=1)  # fmt: skip
 MLA_LAYOUT = "page_first"  # an MLA page object is in its host layout's order: every side uses one
 PROMPT_A = [(5 * i + 2) % CFG.vocab for i in range(41)]  # written by TP=2: 10 whole pages before the last token
 PROMPT_B = [(7 * i + 4) % CFG.vocab for i in range(41)]  # written by TP=1
@@ -54,7 +60,12 @@ def full_kv(cfg, tokens: list[int]) -> list[torch.Tensor]:
     model = TinyLM(cfg)
     pool = cfg.pool(64, PAGE)
     slots = pool.alloc(len(tokens))
-    model.forward(pool, tokens, 0, slots)
+    side = {}
+    if cfg.indexer_dim:
+        side["index"] = index_pool(cfg, 64, PAGE)
+    if cfg.recurrent_dim:
+        side["state"] = state_pool(cfg, 64, PAGE)
+    model.forward_batch(pool, [(tokens, 0, slots)], **side)
     return [t[:, slots].clone() for t in ((pool.kv,) if cfg.mla else (pool.k, pool.v))]
 
 
@@ -75,7 +86,8 @@ def make_cache(model: TinyLM, layout: str, storage, group=None) -> HiRadixCache:
     host = HostKVPool(pool, layout=layout, ratio=4.0, safety_margin_gb=0.0)
     return HiRadixCache(pool, host, io_backend="direct", threaded=False, tp_group=group, storage=storage,
                         model_id="tiny-tp", load_back_threshold=1, write_through_threshold=1,
-                        prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE))  # fmt: skip
+                        prefetch_policy=PrefetchPolicy("wait_complete", threshold_tokens=PAGE),
+                        sidecars=sidecars_for(model.cfg, pool, ratio=4.0))  # fmt: skip
 
 
 def serve(model: TinyLM, cache: HiRadixCache, prompt: list[int], from_store: bool) -> None:
