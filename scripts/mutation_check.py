@@ -472,8 +472,8 @@ MUTANTS = [
         "the engine keeps the indexer's keys in a pool of its own beside a cache: a prefix from the cache "
         "comes back without its index keys and the indexer picks other tokens (34 #2)",
         "python/hicache/serving/engine.py",
-        "                self.index = found[0]",
-        "                self.index = index_pool(c, pool.size, pool.page_size, pool.device)",
+        "                self.index = _cached_sidecar(\n",
+        "                self.index = index_pool(c, pool.size, pool.page_size, pool.device) or _cached_sidecar(\n",
         ("tests/serving/test_engine.py::test_indexer_model_served_equals_recompute",),
     ),
     Mutant(
@@ -505,8 +505,8 @@ MUTANTS = [
         "the engine keeps the recurrent checkpoints in a pool of its own beside a cache: a prefix from the cache "
         "resumes from a checkpoint that is not its own (34 #1, #2)",
         "python/hicache/serving/engine.py",
-        "                self.state = found[0]",
-        "                self.state = state_pool(c, pool.size, pool.page_size, pool.device)",
+        "                self.state = _cached_sidecar(\n",
+        "                self.state = state_pool(c, pool.size, pool.page_size, pool.device) or _cached_sidecar(\n",
         ("tests/serving/test_hybrid_models.py",),
     ),
     Mutant(

@@ -198,8 +198,8 @@ class WindowKVPool:
         mapped = pm[pm >= 0]
         assert len(np.unique(mapped)) == len(mapped), "window pool: a window page given to two KV pages"
         with_rows = np.flatnonzero(pm >= 0)
-        kv_states = self.kv_pool._slots.states_of(with_rows * self.page_size)
-        assert (kv_states != 0).all(), f"window pool: free KV pages hold rows: {with_rows[kv_states == 0][:8].tolist()}"
+        held = self.kv_pool.allocated_of(with_rows * self.page_size)
+        assert held.all(), f"window pool: free KV pages hold rows: {with_rows[~held][:8].tolist()}"
         allocated = self.pool.size // self.page_size - self.available_pages()
         assert allocated == len(mapped), f"window pool: {allocated} pages allocated, {len(mapped)} given to KV pages"
 

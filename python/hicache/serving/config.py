@@ -21,6 +21,7 @@ __all__ = [
     "index_row",
     "quantize_index_keys",
     "state_pool",
+    "state_row",
 ]
 
 
@@ -168,13 +169,19 @@ def state_pool(cfg: ModelConfig, num_slots: int, page_size: int, device: str | t
     KV: give it to the cache as ``sidecars=[(pool, HostKVPool(pool, ...))]``. Every page boundary is a
     checkpoint, so every page-aligned prefix hit can resume the recurrence; the price is one state
     (``recurrent_dim * 4`` bytes) per page."""
+    width, dtype = state_row(cfg, page_size)
+    return DeviceKVPool(num_slots=num_slots, num_layers=1, head_num=1, head_dim=width,
+                        dtype=dtype, device=device, page_size=page_size, mla=True)  # fmt: skip
+
+
+def state_row(cfg: ModelConfig, page_size: int) -> tuple[int, torch.dtype]:
+    """``(elements, dtype)`` of one row of ``cfg``'s checkpoint pool (:func:`state_pool`) at ``page_size``."""
     if not cfg.recurrent_dim:
         raise ValueError("recurrent_dim: this model has no recurrent branch (0)")
     if cfg.recurrent_dim % page_size:
         raise ValueError(f"page_size: {page_size} does not divide recurrent_dim {cfg.recurrent_dim} (a page's rows "
                          "hold one state)")  # fmt: skip
-    return DeviceKVPool(num_slots=num_slots, num_layers=1, head_num=1, head_dim=cfg.recurrent_dim // page_size,
-                        dtype=torch.float32, device=device, page_size=page_size, mla=True)  # fmt: skip
+    return cfg.recurrent_dim // page_size, torch.float32
 
 
 def index_row(cfg: ModelConfig) -> tuple[int, torch.dtype]:

@@ -29,7 +29,7 @@ from ..cache.radix_cache import HiRadixCache
 from ..pools import DeviceKVPool
 from ..pools.window_pool import WindowKVPool
 from ..streams.devices import KVRegion
-from .model import ModelConfig, TinyLM, index_pool, index_row, state_pool
+from .model import ModelConfig, TinyLM, index_pool, index_row, state_pool, state_row
 
 __all__ = ["Engine", "FixedArrivals", "GenerationResult", "ModelConfig", "Request", "RequestSource", "TinyLM"]
 
@@ -145,6 +145,15 @@ class _Running:
         self.trimmed = 0  # its own pages before this position have given back their window rows
 
 
+def _cached_sidecar(cache: HiRadixCache, shape: tuple, need: str, maker: str) -> DeviceKVPool:
+    """The cache's sidecar pool of ``shape`` (``(layers, heads, row elements, dtype)``; ``None`` layers:
+    any), or ``ValueError`` saying the model ``need`` s one (made by ``maker``)."""
+    for d, _ in cache.controller.sidecars:
+        if (shape[0] in (None, d.num_layers)) and (d.head_num, d.head_dim, d.dtype) == shape[1:]:
+            return d
+    raise ValueError(f"cache: {need} in the cache (HiRadixCache(..., sidecars=[({maker}(...), HostKVPool(...))]))")
+
+
 class Engine:
     """Serves requests with :class:`TinyLM` over ``cache`` (None: recompute every prompt).
 
@@ -184,27 +193,24 @@ class Engine:
             if cache is None:
                 self.index = index_pool(c, pool.size, pool.page_size, pool.device)
             else:
-                row = (1, *index_row(c))
-                found = [d for d, _ in cache.controller.sidecars if (d.head_num, d.head_dim, d.dtype) == row]
-                if not found:
-                    raise ValueError("cache: the model's indexer needs a sidecar pool in the cache "
-                                     "(HiRadixCache(..., sidecars=[(index_pool(...), HostKVPool(...))]))")  # fmt: skip
-                self.index = found[0]
+                self.index = _cached_sidecar(
+                    cache, (None, 1, *index_row(c)), "the model's indexer needs a sidecar pool", "index_pool"
+                )
         # A model with a recurrent branch checkpoints its state at every page boundary in a one-layer
         # sidecar pool (the cache's, which keeps a page's checkpoint with its KV on every tier).
         self.state: DeviceKVPool | None = None
         if c.recurrent_dim:
-            want = state_pool(c, pool.page_size, pool.page_size)  # the geometry only: one page
             if cache is None:
                 self.state = state_pool(c, pool.size, pool.page_size, pool.device)
             else:
-                shape = (1, 1, want.head_dim, want.dtype)
-                found = [d for d, _ in cache.controller.sidecars
-                         if (d.num_layers, d.head_num, d.head_dim, d.dtype) == shape]  # fmt: skip
-                if not found:
-                    raise ValueError("cache: the model's recurrent branch needs its checkpoint pool in the cache "
-                                     "(HiRadixCache(..., sidecars=[(state_pool(...), HostKVPool(...))]))")  # fmt: skip
-                self.state = found[0]
+                self.state = _cached_sidecar(
+                    cache,
+                    (1, 1, *state_row(c, pool.page_size)),
+                    "the model's recurrent branch needs its checkpoint pool",
+                    "state_pool",
+                )
+        # The KV-pool layer each model layer's load must have landed for (the layer map, once).
+        self._needed = [c.kv_layer_needed(li, self.windowed) for li in range(c.num_layers)]
         self.window: WindowKVPool | None = None
         if self.windowed:
             self.window = c.window_pool(pool, pool.size) if cache is None else cache.controller.window
@@ -484,7 +490,7 @@ class Engine:
                 # device that checks reads against copies still in flight (the deferred model).
                 cfg = self.model.cfg
                 regions = self._read_regions(seqs) if device.tracks_regions else [[] for _ in range(cfg.num_layers)]
-                needed = [cfg.kv_layer_needed(li, self.windowed) for li in range(cfg.num_layers)]
+                needed = self._needed
 
                 def wait_and_check(layer: int) -> None:  # the model's layer
                     if generation:

@@ -34,7 +34,15 @@ import torch.distributed as dist
 
 from ..pools import DeviceKVPool
 from ..pools.window_pool import WindowKVPool
-from .config import ModelConfig, dequantize_index_keys, index_pool, index_row, quantize_index_keys, state_pool
+from .config import (
+    ModelConfig,
+    dequantize_index_keys,
+    index_pool,
+    index_row,
+    quantize_index_keys,
+    state_pool,
+    state_row,
+)
 
 __all__ = [
     "ModelConfig",
@@ -44,6 +52,7 @@ __all__ = [
     "index_row",
     "quantize_index_keys",
     "state_pool",
+    "state_row",
 ]
 
 # SDPA groups query heads over fewer K/V heads itself (no repeated K/V copies) from torch 2.5 on.
