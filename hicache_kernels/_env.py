@@ -211,74 +211,228 @@ def cuda_versions() -> dict[str, Any]:
 
 
 @dataclass
-class BackendStatus:
+class TensorStatus:
+    """What a call of an io-backend does on one kind of tensors here: ``usable``, then how it copies, else
+    why it cannot (what the call raises)."""
+
     usable: bool
     reason: str
 
+    def __str__(self) -> str:
+        return f"{'usable' if self.usable else 'unusable'}: {self.reason}"
 
-def io_backend_status(gpus: list[GpuInfo] | None = None) -> dict[str, BackendStatus]:
-    """Whether each io-backend can run on this machine, and why not when it cannot."""
-    torch, torch_reason = _torch_cuda()
-    if gpus is None:
-        gpus, _ = list_gpus()
-    mod, ext_reason = _load()
-    runtime_ok, runtime_reason = _ext.cuda_runtime_status()
-    status: dict[str, BackendStatus] = {}
+
+@dataclass
+class BackendStatus:
+    """An io-backend here: a call on CPU tensors (``cpu``: found by making one, :func:`cpu_backend_status`)
+    and on CUDA tensors (``cuda``: from the extension, the driver, the GPUs and torch,
+    :func:`cuda_backend_status`). ``usable``: on either; ``reason``: both in one line."""
+
+    cpu: TensorStatus
+    cuda: TensorStatus
+    usable: bool = field(init=False)
+    reason: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.usable = self.cpu.usable or self.cuda.usable
+        self.reason = f"on CPU tensors: {self.cpu}; on CUDA tensors: {self.cuda}"
+
+
+@dataclass
+class AutoStatus(BackendStatus):
+    """``auto`` here, and also: ``choices`` (``cpu``, ``cuda``: the designs a call can take here, in
+    ``AUTO_DESIGNS`` order), ``designs`` (each of ``AUTO_DESIGNS`` on CUDA tensors) and ``ranking``
+    (its settings file: ``path``, ``named_by``, ``exists``; ``designs``: those its table or threshold
+    rule ranks, :meth:`~hicache_kernels.backends.AutoBackend.candidates`; ``rule``: how it ranks them;
+    ``kernel_max_fragment_bytes``, ``sm_budget``, ``table``; or ``error``: why the settings do not load)."""
+
+    choices: dict[str, list[str]] = field(default_factory=dict)
+    designs: dict[str, TensorStatus] = field(default_factory=dict)
+    ranking: dict[str, Any] = field(default_factory=dict)
+
+
+# How each io-backend copies CPU tensors (backends/*.py); auto says what it took.
+_CPU_HOW = {
+    "direct": "torch copies of the plan's fragments (runs of consecutive slots)",
+    "batch": "torch copies of the fragments split into 1-D pieces (no cudaMemcpyBatchAsync on CPU tensors)",
+    "triton": "the Triton interpreter (TRITON_INTERPRET=1; slow)",
+    "staged": "torch gather/scatter through a CPU staging buffer and a torch copy per host run",
+}
+
+
+def cpu_backend_status() -> dict[str, TensorStatus]:
+    """Each io-backend called here as a caller would (``get_backend(name)``, ``unavailable``, ``run``) on
+    a two-slot ``d2h`` plan over CPU tensors: usable when it copied the plan's bytes, else its
+    ``unavailable`` reason or what the call raised."""
+    from ._names import IO_BACKENDS
+
     try:
-        importlib.import_module("torch")
-        if torch is None:
-            direct = "torch indexing on CPU tensors"
-        elif runtime_ok:
-            direct = "copy engines (cudaMemcpyAsync) on CUDA tensors"
-        else:
-            direct = (
-                f"torch copies (cudaMemcpyAsync through torch) on CUDA tensors, not the extension: {runtime_reason}"
-            )
-        status["direct"] = BackendStatus(True, direct)
+        import torch
+
+        from . import ops
+        from .backends import get_backend
     except ImportError as exc:
-        status["direct"] = BackendStatus(False, f"torch does not import: {exc}")
-    if mod is None:
-        gpu_reason = ext_reason
-    elif not runtime_ok:
-        gpu_reason = runtime_reason
-    elif torch is None:
-        gpu_reason = torch_reason
-    elif not any(g.kernels_cover_arch for g in gpus):
-        gpu_reason = "no visible GPU is covered by the compiled archs: " + "; ".join(g.coverage for g in gpus)
+        return {name: TensorStatus(False, f"does not import: {exc}") for name in IO_BACKENDS}
+    out: dict[str, TensorStatus] = {}
+    for name in IO_BACKENDS:
+        k = torch.arange(8, dtype=torch.float32).reshape(1, 2, 1, 4)  # [layers, slots, heads, head_dim]
+        v = k + 8
+        host = torch.zeros(2, 1, 2, 1, 4)  # layer_first: [K/V, layers, slots, heads, head_dim]
+        idx = torch.arange(2)
+        try:
+            backend = get_backend(name)
+            plan = ops.build_plan("d2h", k, v, host, idx, idx, layout="layer_first", page_size=1)
+            why = backend.unavailable(plan)
+            if why is None:
+                backend.run(plan)
+                if not (torch.equal(host[0], k) and torch.equal(host[1], v)):
+                    why = "ran, but did not copy the plan's bytes"
+        except Exception as exc:  # what the call raises is the reason
+            why = str(exc) or type(exc).__name__
+        if why is not None:
+            out[name] = TensorStatus(False, why)
+        elif name == "auto":
+            out[name] = TensorStatus(True, f"takes {backend.last_choice} ({backend.last_reason})")
+        else:
+            out[name] = TensorStatus(True, _CPU_HOW.get(name, "copies the plan"))
+    return out
+
+
+def cuda_backend_status(gpus: list[GpuInfo]) -> dict[str, TensorStatus]:
+    """What a call of each io-backend (and ``kernel-bulk``, auto's bulk design of ``kernel``) does on CUDA
+    tensors here, from the extension, its runtime, the driver, the GPUs and torch: the checks the
+    backends make (``unavailable``, ``run_triton``, ``bulk_unsupported``) and what they fall back to."""
+    torch, torch_reason = _torch_cuda()
+    runtime_ok, runtime_reason = _ext.cuda_runtime_status()  # not ok without the extension, too: its reason
+    out: dict[str, TensorStatus] = {}
+    if torch is None:
+        out["direct"] = TensorStatus(False, torch_reason)
+    elif runtime_ok:
+        out["direct"] = TensorStatus(True, "copy engines: a cudaMemcpyAsync (2-D for strided rows) per run of slots")
     else:
-        gpu_reason = ""
-    status["kernel"] = BackendStatus(not gpu_reason, gpu_reason or "zero-copy SM kernels over pinned host memory")
-    if gpu_reason:
-        status["batch"] = BackendStatus(False, gpu_reason)
+        out["direct"] = TensorStatus(True, f"torch copies of the same fragments, not the extension: {runtime_reason}")
+    needs = runtime_reason if not runtime_ok else (torch_reason if torch is None else None)
+    if needs is not None:
+        out["batch"] = TensorStatus(False, needs)
     else:
-        drv = _ext.driver_version()
-        ok = drv >= 12080
-        status["batch"] = BackendStatus(
-            ok,
-            "cudaMemcpyBatchAsync" if ok else f"driver supports CUDA {_version(drv)} < 12.8; falls back to 'direct'",
-        )
+        built, drv = _ext._runtime_cuda_version(), _ext.driver_version()
+        fallback = "falls back to direct (copy engines) with a warning and last_fallback"
+        if built < 12080:
+            batch = f"{fallback}: the extension's CUDA {_version(built)} has no cudaMemcpyBatchAsync (12.8+)"
+        elif drv < 12080:
+            batch = f"{fallback}: the driver supports CUDA {_version(drv)}; cudaMemcpyBatchAsync needs 12.8"
+        else:
+            batch = "one cudaMemcpyBatchAsync of the fragments' 1-D pieces (direct on the legacy default stream)"
+        out["batch"] = TensorStatus(True, batch)
+    covered = [g for g in gpus if g.kernels_cover_arch]
+    if needs is None and not covered:
+        listed = "; ".join(g.coverage for g in gpus)
+        needs = f"no visible GPU is covered by the compiled archs: {listed}" if gpus else "no GPU visible"
+    kernel = "zero-copy SM kernels (register design) over a pinned host pool"
+    out["kernel"] = TensorStatus(needs is None, needs or kernel)
+    if needs is not None:
+        out["kernel-bulk"] = out["kernel"]
+    else:
+        import torch as torch_module
+
+        from .backends.kernel import KernelBackend
+
+        whys = []
+        for g in covered:
+            try:  # what auto asks of a route; 16: the alignment is the plan's, not the machine's
+                why = KernelBackend.bulk_unsupported(16, torch_module.device("cuda", g.index))
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            if why is None:
+                break
+            whys.append(f"GPU {g.index}: {why}")
+        else:
+            out["kernel-bulk"] = TensorStatus(False, "; ".join(whys))
+        out.setdefault("kernel-bulk", TensorStatus(True, "the bulk-copy kernel (sm_90+) on 16-byte-aligned routes"))
     try:
         importlib.import_module("triton")
-        if torch is not None:
-            status["triton"] = BackendStatus(True, "Triton kernels on the GPU")
+        if torch is None:
+            out["triton"] = TensorStatus(False, torch_reason)
         elif os.environ.get("TRITON_INTERPRET") == "1":
-            status["triton"] = BackendStatus(True, "Triton interpreter on CPU tensors (TRITON_INTERPRET=1; slow)")
+            out["triton"] = TensorStatus(False, "TRITON_INTERPRET=1 is set: the interpreter cannot run CUDA tensors")
         else:
-            status["triton"] = BackendStatus(False, f"{torch_reason}; set TRITON_INTERPRET=1 to run on CPU tensors")
-    except ImportError as exc:
-        status["triton"] = BackendStatus(False, f"triton does not import: {exc}")
-    if not status["direct"].usable:
-        status["staged"] = BackendStatus(False, status["direct"].reason)
-    elif torch is None:
-        status["staged"] = BackendStatus(True, "torch packing and copies on CPU tensors")
+            out["triton"] = TensorStatus(True, "compiled Triton gather/scatter, zero copy over a pinned host pool")
+    except Exception as exc:  # ImportError, or a broken install failing at import time
+        out["triton"] = TensorStatus(False, f"triton does not import: {exc}")
+    if torch is None:
+        out["staged"] = TensorStatus(False, torch_reason)
     else:
-        copies = "copy engines" if runtime_ok else f"torch copies (not the extension: {runtime_reason})"
-        status["staged"] = BackendStatus(
-            True, f"torch gather into a GPU staging buffer, then {copies} per host run (needs a pinned host pool)"
+        copies = "the extension's copy engines" if runtime_ok else f"torch copies (not the extension: {runtime_reason})"
+        out["staged"] = TensorStatus(
+            True, f"torch packing into a GPU staging buffer, then {copies} per host run (needs a pinned host pool)"
         )
-    picks = [n for n in ("kernel", "batch", "direct") if status[n].usable]
-    status["auto"] = BackendStatus(bool(picks), "chooses among: " + ", ".join(picks) if picks else "nothing usable")
-    return status
+    return out
+
+
+def _never(name: str, ranked: list[str], cuda: dict[str, TensorStatus]) -> str:
+    """Why auto never takes design ``name`` on CUDA tensors here, in a few words."""
+    if name not in ranked:
+        return "not ranked"
+    if name == "kernel-bulk" and cuda["kernel"].usable:
+        return cuda[name].reason  # the bulk kernel's own reason (the GPU, its image), not kernel's
+    return "unusable here"
+
+
+def auto_status(cpu: TensorStatus, cuda: dict[str, TensorStatus]) -> AutoStatus:
+    """``auto`` here: on CPU tensors as :func:`cpu_backend_status` found it (the design its call took),
+    on CUDA tensors the designs its ranking holds that can run here, and where that ranking comes from."""
+    from .backends.auto import AUTO_DESIGNS, auto_config_path
+
+    path, named_by = auto_config_path()
+    ranking: dict[str, Any] = {"path": str(path), "named_by": named_by, "exists": path.exists()}
+    designs = {name: cuda[name] for name in AUTO_DESIGNS}
+    try:
+        from .backends import get_backend
+
+        auto = get_backend("auto")  # the instance the CPU call used: its settings, its last choice
+    except Exception as exc:  # settings that do not load: get_backend("auto") raises this for every call
+        ranking["error"] = f"{type(exc).__name__}: {exc}"
+        why = TensorStatus(False, str(exc))
+        return AutoStatus(cpu, why, {"cpu": [], "cuda": []}, designs, ranking)
+    limit = auto.thresholds["kernel_max_fragment_bytes"]
+    tables = auto.settings().get("table", {})
+    ranking.update(designs=list(auto.candidates()), kernel_max_fragment_bytes=limit, sm_budget=auto.sm_budget,
+                   table=tables)  # fmt: skip
+    threshold = f"the threshold rule (kernel below {limit} B fragments, else batch)"
+    where = f"{path} ({named_by})"
+    if not tables:
+        said = "does not exist" if not ranking["exists"] else "holds no table"
+        ranking["rule"] = f"by {threshold}, direct last: {where} {said}"
+    else:
+        parts = [f"{d} {len(tables[d])} buckets" if d in tables else f"{d} by {threshold}" for d in ("d2h", "h2d")]
+        ranking["rule"] = f"by the table in {where}, its own order per bucket: {', '.join(parts)}; direct last"
+    choices = {"cpu": [auto.last_choice] if cpu.usable and auto.last_choice else []}
+    if not cuda["direct"].usable:
+        choices["cuda"] = []
+        on_cuda = TensorStatus(False, cuda["direct"].reason)
+    else:
+        choices["cuda"] = [name for name in auto.candidates() if cuda[name].usable]
+        never = [f"{name} ({_never(name, ranking['designs'], cuda)})" for name in AUTO_DESIGNS
+                 if name not in choices["cuda"]]  # fmt: skip
+        if len(choices["cuda"]) > 1:
+            said = f"the first of its ranking that can run the plan, among {', '.join(choices['cuda'])}"
+        else:
+            said = f"always {choices['cuda'][0]}"
+        on_cuda = TensorStatus(True, said + (f"; never {', '.join(never)}" if never else ""))
+    return AutoStatus(cpu, on_cuda, choices, designs, ranking)
+
+
+def io_backend_status(gpus: list[GpuInfo] | None = None) -> dict[str, BackendStatus]:
+    """What a call of each io-backend does here, on CPU tensors and on CUDA tensors: usable and how it
+    copies, or why it cannot."""
+    from ._names import IO_BACKENDS
+
+    if gpus is None:
+        gpus, _ = list_gpus()
+    cpu = cpu_backend_status()
+    cuda = cuda_backend_status(gpus)
+    return {name: auto_status(cpu[name], cuda) if name == "auto" else BackendStatus(cpu[name], cuda[name])
+            for name in IO_BACKENDS}  # fmt: skip
 
 
 def gather() -> dict[str, Any]:

@@ -2,10 +2,12 @@
 
 Prints versions (the package's, and the one its build was given, with its local label), the archs
 compiled in, the CUDA version built with and the oldest driver that can run it, CUDA runtime and driver
-versions, each visible GPU with its PCIe link and the theoretical bandwidth it implies, and which
-io-backends are usable (``python -m hicache.info`` adds what the cache layer takes: its compiled host
-core and its radix-tree core). ``--json`` prints the same as one JSON object. It never fails for lack of
-a GPU, a driver or NVML: it says so.
+versions, each visible GPU with its PCIe link and the theoretical bandwidth it implies, and what a call
+of each io-backend does here on CPU tensors (found by making one) and on CUDA tensors: how it copies, or
+why it cannot; for ``auto``, the designs it can take and where its ranking comes from (``python -m
+hicache.info`` adds what the cache layer takes: its compiled host core and its radix-tree core).
+``--json`` prints the same as one JSON object. It never fails for lack of a GPU, a driver or NVML: it
+says so.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import sys
 from typing import Any
 
 from ._archs import cuda_version_text
+
+
+def _said(status: dict[str, Any]) -> str:
+    return f"{'usable' if status['usable'] else 'unusable'}: {status['reason']}"
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -75,7 +81,14 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  note: {note}")
     lines.append("  io-backends:")
     for name, s in r["io_backends"].items():
-        lines.append(f"    {name:<7} {'usable' if s['usable'] else 'unusable'}: {s['reason']}")
+        lines.append(f"    {name:<7} on CPU tensors: {_said(s['cpu'])}")
+        lines.append(f"    {'':<7} on CUDA tensors: {_said(s['cuda'])}")
+        ranking = s.get("ranking")
+        if ranking is not None:
+            if "error" in ranking:
+                lines.append(f"    {'':<7} ranks nothing: {ranking['path']} ({ranking['named_by']}) does not load")
+            else:
+                lines.append(f"    {'':<7} ranks {', '.join(ranking['designs'])}: {ranking['rule']}")
     sw = r.get("sglang_switch")
     if sw is not None:
         state = "ON" if sw["on"] else "off"

@@ -16,14 +16,24 @@ from .kernel import DEFAULT_SM_BUDGET as _KERNEL_SM_BUDGET
 from .kernel import KernelBackend
 from .staged import StagedBackend
 
-__all__ = ["AUTO_DESIGNS", "AutoBackend", "fragment_bucket"]
+__all__ = ["AUTO_DESIGNS", "AutoBackend", "auto_config_path", "fragment_bucket"]
+
+
+def auto_config_path() -> tuple[Path, str]:
+    """``(path, where)``: the settings file ``AutoBackend()`` loads, and what named it: ``$HICACHE_AUTO_CONFIG``,
+    else ``$XDG_CONFIG_HOME/hicache_kernels/auto.json``, else ``~/.config/hicache_kernels/auto.json`` (an
+    empty variable counts as unset, as the XDG spec says)."""
+    env = os.environ.get("HICACHE_AUTO_CONFIG")
+    if env:
+        return Path(env), "$HICACHE_AUTO_CONFIG"
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    if xdg:
+        return Path(xdg) / "hicache_kernels" / "auto.json", "$XDG_CONFIG_HOME"
+    return Path.home() / ".config" / "hicache_kernels" / "auto.json", "the default path"
 
 
 def _default_auto_path() -> Path:
-    env = os.environ.get("HICACHE_AUTO_CONFIG")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "hicache_kernels" / "auto.json"
+    return auto_config_path()[0]
 
 
 AUTO_DESIGNS = ("kernel", "kernel-bulk", "staged", "batch", "direct")
@@ -55,10 +65,11 @@ class AutoBackend(IOBackend):
     CPU tensors always go to ``direct``. ``last_choice`` names the design the last prepared call
     uses and ``last_reason`` says why.
 
-    Settings load from ``HICACHE_AUTO_CONFIG`` or ``~/.config/hicache_kernels/auto.json`` (a JSON
-    object: ``kernel_max_fragment_bytes``, and optionally ``sm_budget`` and ``table``, e.g.
+    Settings load from ``HICACHE_AUTO_CONFIG``, else ``$XDG_CONFIG_HOME/hicache_kernels/auto.json``
+    (``~/.config`` without it: :func:`auto_config_path`), a JSON object: ``kernel_max_fragment_bytes``,
+    and optionally ``sm_budget`` and ``table``, e.g.
     ``{"d2h": {"4096": ["kernel-bulk", "kernel", "batch", "direct", "staged"]}}``; a file with only
-    ``kernel_max_fragment_bytes``, the format before the table, still loads) and :meth:`save` writes
+    ``kernel_max_fragment_bytes``, the format before the table, still loads; :meth:`save` writes
     them, so a benchmark can re-tune. ``thresholds=`` takes the same object.
     """
 
@@ -66,6 +77,8 @@ class AutoBackend(IOBackend):
     DEFAULTS = {"kernel_max_fragment_bytes": 256 * 1024}
     DEFAULT_SM_BUDGET = _KERNEL_SM_BUDGET  # the kernel backend's default: 4 SMs' worth of CTAs
     KEYS = ("kernel_max_fragment_bytes", "sm_budget", "table")
+    THRESHOLD_RANKING: tuple[str, ...] = ("kernel", "batch", "direct")
+    """The ranking of a direction the table lacks: below ``kernel_max_fragment_bytes``; without ``kernel`` above."""
 
     def __init__(self, thresholds: dict[str, Any] | None = None, path: Path | None = None) -> None:
         self.path = path or _default_auto_path()
@@ -143,6 +156,15 @@ class AutoBackend(IOBackend):
         best = min(rows, key=lambda b: (abs(b.bit_length() - want), b))
         return best, rows[best]
 
+    def candidates(self) -> tuple[str, ...]:
+        """The designs a call on CUDA tensors can take, in :data:`AUTO_DESIGNS` order: those the table
+        ranks, the threshold rule's for a direction it lacks, and ``direct`` (where every call ends when
+        nothing before it can run). Whether each can run a given plan is its own question (``decide``)."""
+        ranked = {name for rows in self.table.values() for ranking in rows.values() for name in ranking}
+        if set(self.table) != set(_AUTO_DIRECTIONS):
+            ranked |= set(self.THRESHOLD_RANKING)
+        return tuple(name for name in AUTO_DESIGNS if name in ranked or name == "direct")
+
     def _design(self, name: str) -> IOBackend:
         return {"kernel": self.kernel, "kernel-bulk": self.kernel_bulk, "staged": self.staged,
                 "batch": self.batch, "direct": self.direct}[name]  # fmt: skip
@@ -169,7 +191,7 @@ class AutoBackend(IOBackend):
         if found is None:
             limit = self.thresholds["kernel_max_fragment_bytes"]
             rule = f"no {plan.direction} table: threshold rule, {fragment} B fragments vs {limit} B"
-            ranking: tuple[str, ...] = ("kernel", "batch", "direct") if fragment < limit else ("batch", "direct")
+            ranking = self.THRESHOLD_RANKING if fragment < limit else self.THRESHOLD_RANKING[1:]
         else:
             bucket, ranking = found
             rule = f"{plan.direction} table, bucket {bucket} B (nearest to {fragment} B fragments)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,10 +11,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 import hicache_kernels
-from hicache_kernels import _env, _ext, info
+from hicache_kernels import BackendUnavailableError, _env, _ext, backends, info, ops
 from hicache_kernels._names import IO_BACKENDS
+from hicache_kernels.backends import AUTO_DESIGNS, AutoBackend, copy_engine, get_backend
+from hicache_kernels.backends import kernel as kernel_module
+
+from kvdata import expected_after, make_indices, make_pools
 
 
 def run_info(*args: str) -> subprocess.CompletedProcess[str]:
@@ -42,6 +48,12 @@ def test_info_json_schema() -> None:
     assert set(report["io_backends"]) == set(IO_BACKENDS)
     for status in report["io_backends"].values():
         assert isinstance(status["usable"], bool) and status["reason"]
+        for on in ("cpu", "cuda"):  # what a call does on CPU tensors and on CUDA tensors
+            assert isinstance(status[on]["usable"], bool) and status[on]["reason"]
+        assert status["usable"] is (status["cpu"]["usable"] or status["cuda"]["usable"])
+    auto = report["io_backends"]["auto"]
+    assert set(auto["choices"]) == {"cpu", "cuda"} and list(auto["designs"]) == list(AUTO_DESIGNS)
+    assert {"path", "named_by", "exists", "designs", "rule", "table"} <= set(auto["ranking"])
     assert report["build"] == json.loads(json.dumps(hicache_kernels.build_info()))
 
 
@@ -107,16 +119,17 @@ def test_info_text_build_lines(build: dict, lines: list[str]) -> None:
 
 
 def test_info_without_gpu_says_so() -> None:
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     report = json.loads(run_info("--json").stdout)
     assert report["gpus"] == []
     assert report["notes"], "no reason given for seeing no GPU"
-    assert report["io_backends"]["direct"]["usable"] is True
-    assert report["io_backends"]["kernel"]["usable"] is False
-    assert report["io_backends"]["kernel"]["reason"]
+    said = report["io_backends"]
+    assert said["direct"]["usable"] is said["direct"]["cpu"]["usable"] is True
+    assert said["kernel"]["usable"] is False and said["kernel"]["cuda"]["reason"]
+    for name in IO_BACKENDS:  # no CUDA tensors without a GPU: every backend says why not
+        assert said[name]["cuda"]["usable"] is False and said[name]["cuda"]["reason"], name
+    assert said["auto"]["choices"] == {"cpu": ["direct"], "cuda": []}
 
 
 @pytest.mark.parametrize(
@@ -221,12 +234,29 @@ needs_cuda13_build = pytest.mark.skipif(
 H200 = _env.GpuInfo(0, "NVIDIA H200", "9.0", 132, 139.8, kernels_cover_arch=True, coverage="test")
 
 
-def with_driver(monkeypatch: pytest.MonkeyPatch, version: int) -> dict[str, _env.BackendStatus]:
-    """io-backend status as a machine with a (covered) GPU and torch CUDA would see it, with a driver
-    supporting CUDA ``version`` (0: none)."""
+def with_driver(
+    monkeypatch: pytest.MonkeyPatch,
+    version: int,
+    capability: tuple[int, int] = (9, 0),
+    auto_config: Path = Path("/nonexistent/hicache-test/auto.json"),
+) -> dict[str, _env.BackendStatus]:
+    """io-backend status as a machine with a (covered) GPU of ``capability`` and torch CUDA would see it,
+    with a driver supporting CUDA ``version`` (0: none) and auto's settings in ``auto_config`` (default:
+    no such file)."""
     monkeypatch.setattr(_ext, "driver_version", lambda: version)
     monkeypatch.setattr(_env, "_torch_cuda", lambda: (object(), "ok"))
-    return _env.io_backend_status([H200])
+    pretend_gpu(monkeypatch, capability)
+    monkeypatch.setenv("HICACHE_AUTO_CONFIG", str(auto_config))
+    monkeypatch.setattr(backends, "_DEFAULTS", {})  # get_backend("auto") loads the settings anew
+    gpu = dataclasses.replace(H200, compute_capability=f"{capability[0]}.{capability[1]}")
+    return _env.io_backend_status([gpu])
+
+
+def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    """CUDA devices are sm_<capability>, and the driver loads the bulk kernel's code built for them."""
+    arch = 10 * capability[0] + capability[1]
+    monkeypatch.setattr(kernel_module, "_compute_capability", lambda device: capability)
+    monkeypatch.setattr(kernel_module, "_bulk_image", lambda device: (arch, arch))
 
 
 @needs_cuda13_build
@@ -234,25 +264,34 @@ def test_io_backends_on_an_old_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     status = with_driver(monkeypatch, 12040)
     too_old = "the NVIDIA driver supports CUDA 12.4, older than the CUDA 13.0"
     for name in ("kernel", "batch"):
-        assert status[name].usable is False and status[name].reason.startswith(too_old), status[name]
-    assert status["direct"].usable is True
-    assert status["direct"].reason.startswith("torch copies") and too_old in status["direct"].reason
-    assert status["auto"] == _env.BackendStatus(True, "chooses among: direct")
+        assert status[name].cuda.usable is False and status[name].cuda.reason.startswith(too_old), status[name]
+    assert status["direct"].cuda.usable is True
+    assert status["direct"].cuda.reason.startswith("torch copies") and too_old in status["direct"].cuda.reason
+    auto = status["auto"]
+    assert auto.choices["cuda"] == ["direct"] and auto.cuda.reason.startswith("always direct; never kernel (")
+    assert "kernel-bulk (not ranked), staged (not ranked), batch (unusable here)" in auto.cuda.reason
 
 
 @needs_cuda13_build
 def test_io_backends_on_a_cuda13_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     status = with_driver(monkeypatch, 13000)
-    assert status["kernel"].usable and status["batch"] == _env.BackendStatus(True, "cudaMemcpyBatchAsync")
-    assert status["direct"] == _env.BackendStatus(True, "copy engines (cudaMemcpyAsync) on CUDA tensors")
-    assert status["auto"] == _env.BackendStatus(True, "chooses among: kernel, batch, direct")
+    assert status["kernel"].cuda.usable and status["batch"].cuda == _env.TensorStatus(
+        True, "one cudaMemcpyBatchAsync of the fragments' 1-D pieces (direct on the legacy default stream)"
+    )
+    assert status["direct"].cuda.usable and status["direct"].cuda.reason.startswith("copy engines: a cudaMemcpyAsync")
+    auto = status["auto"]
+    assert auto.choices["cuda"] == ["kernel", "batch", "direct"] == list(AutoBackend.THRESHOLD_RANKING)
+    assert auto.cuda.reason == ("the first of its ranking that can run the plan, among kernel, batch, direct; "
+                                "never kernel-bulk (not ranked), staged (not ranked)")  # fmt: skip
+    assert auto.designs["kernel-bulk"].usable and auto.designs["staged"].usable
 
 
 @needs_cuda13_build
 def test_io_backends_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     status = with_driver(monkeypatch, 0)
     for name in ("kernel", "batch"):
-        assert status[name].reason.startswith("no CUDA driver is installed") and "older" not in status[name].reason
+        reason = status[name].cuda.reason
+        assert reason.startswith("no CUDA driver is installed") and "older" not in reason
 
 
 @needs_cuda13_build
@@ -305,3 +344,147 @@ def test_the_cache_layers_info_names_the_tree_core_and_a_bad_setting(monkeypatch
     assert report["tree_core"] == {"core": "compiled", "reason": "hicache._core.RadixTree (HICACHE_TREE_CORE=auto)"}
     assert report["host_core"]["built"] is True and report["host_core"]["file"].endswith(".so")
     assert {"build", "io_backends"} <= set(report)
+
+
+# ------------------------------------------------------ what a call does, checked by making the call (#35)
+
+
+def cpu_plan(direction: str = "d2h", page_size: int = 4) -> tuple[object, object, object]:
+    """A plan over fresh CPU pools (page_first_direct, fp16 items of 32 B; not info's own two-slot
+    layer_first probe), its pools, and what they must hold after it ran."""
+    layout = "page_first_direct"
+    pools = make_pools(layout=layout, mla=False, dtype=torch.float16, page_size=page_size, direction=direction)
+    d_idx, h_idx = make_indices("pages", 96, 48 if page_size == 1 else 4 * page_size, page_size, count=8, seed=0)
+    plan = ops.build_plan(direction, pools.device_k, pools.device_v, pools.host, d_idx, h_idx, layout=layout,
+                          page_size=page_size)  # fmt: skip
+    return plan, pools, expected_after(pools, direction, d_idx, h_idx, None)
+
+
+@pytest.mark.parametrize("interpret", [None, "0"])  # TRITON_INTERPRET as the tests run, then without it
+@pytest.mark.parametrize("name", IO_BACKENDS)
+def test_info_on_cpu_tensors_says_what_a_call_does(monkeypatch, tmp_path, name: str, interpret: str | None) -> None:
+    """Each backend's CPU line, in the JSON report and the text, against the real call on CPU pools: usable
+    exactly when the call copies the plan's bytes, unusable with the reason the call raises."""
+    if interpret is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setenv("HICACHE_AUTO_CONFIG", str(tmp_path / "auto.json"))
+    monkeypatch.setattr(backends, "_DEFAULTS", {})
+    report = json.loads(json.dumps(_env.gather()))
+    said = report["io_backends"][name]["cpu"]
+    (line,) = [t for t in info.format_report(report).splitlines() if t.startswith(f"    {name:<7} on CPU tensors: ")]
+    assert line.endswith(f"{'usable' if said['usable'] else 'unusable'}: {said['reason']}")
+    for direction in ("d2h", "h2d"):
+        plan, pools, expected = cpu_plan(direction)
+        try:
+            get_backend(name).run(plan)
+            raised = None
+        except BackendUnavailableError as exc:
+            raised = str(exc)
+        outcome = "ran" if raised is None else f"raised: {raised}"
+        assert said["usable"] is (raised is None), f"info: {line.strip()}; the call {outcome}"
+        if raised is None:
+            assert pools.equal(expected), f"{name} ran on CPU tensors but did not copy the plan ({direction})"
+        else:
+            assert raised.endswith(said["reason"])
+
+
+def test_info_names_what_batch_does_on_cpu_tensors() -> None:
+    """batch runs on CPU tensors (torch copies of its 1-D pieces, not cudaMemcpyBatchAsync)."""
+    said = _env.io_backend_status()["batch"]
+    assert said.cpu == _env.TensorStatus(True, _env._CPU_HOW["batch"]) and said.usable
+    assert "1-D pieces" in said.cpu.reason
+
+
+def test_auto_on_cpu_tensors_takes_what_info_lists(monkeypatch, tmp_path) -> None:
+    """A table ranks designs for CUDA tensors only: on CPU tensors auto takes direct, and info says so,
+    naming the settings file it read."""
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps({"table": {"d2h": {"32": ["kernel", "staged"]}, "h2d": {"32": ["batch"]}}}))
+    monkeypatch.setenv("HICACHE_AUTO_CONFIG", str(path))
+    monkeypatch.setattr(backends, "_DEFAULTS", {})
+    said = json.loads(json.dumps(_env.gather()))["io_backends"]["auto"]
+    plan, pools, expected = cpu_plan()
+    auto = AutoBackend()
+    auto.run(plan)
+    assert pools.equal(expected)
+    assert said["choices"]["cpu"] == [auto.last_choice] == ["direct"]
+    assert said["cpu"] == {"usable": True, "reason": f"takes direct ({auto.last_reason})"}
+    assert said["ranking"]["path"] == str(path) and said["ranking"]["named_by"] == "$HICACHE_AUTO_CONFIG"
+    assert said["ranking"]["designs"] == ["kernel", "staged", "batch", "direct"] == list(auto.candidates())
+    assert said["ranking"]["rule"].startswith(f"by the table in {path} ($HICACHE_AUTO_CONFIG)")
+
+
+@pytest.mark.parametrize(
+    ("xdg", "expected"),
+    [("/tmp/xdg-test", "/tmp/xdg-test/hicache_kernels/auto.json"), ("", "~/.config/hicache_kernels/auto.json")],
+)
+def test_info_names_auto_settings_from_xdg_config_home(monkeypatch, xdg: str, expected: str) -> None:
+    """Without HICACHE_AUTO_CONFIG: $XDG_CONFIG_HOME, and ~/.config where it is unset or empty."""
+    monkeypatch.delenv("HICACHE_AUTO_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", xdg)
+    monkeypatch.setattr(backends, "_DEFAULTS", {})
+    ranking = _env.io_backend_status()["auto"].ranking
+    assert ranking["path"] == str(Path(expected).expanduser()) == str(AutoBackend().path)
+    assert ranking["named_by"] == ("$XDG_CONFIG_HOME" if xdg else "the default path")
+
+
+def test_info_says_when_auto_settings_do_not_load(monkeypatch, tmp_path) -> None:
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps({"kernel_max": 1}))
+    monkeypatch.setenv("HICACHE_AUTO_CONFIG", str(path))
+    monkeypatch.setattr(backends, "_DEFAULTS", {})
+    said = _env.io_backend_status()["auto"]
+    with pytest.raises(ValueError, match="unknown auto thresholds") as exc:
+        get_backend("auto")
+    assert not said.usable and said.cpu.reason == said.cuda.reason == str(exc.value)
+    text = info.format_report(json.loads(json.dumps(_env.gather())))
+    assert f"ranks nothing: {path} ($HICACHE_AUTO_CONFIG) does not load" in text
+
+
+def knock_out_sequence(auto: AutoBackend, plan) -> list[str]:
+    """The designs ``auto`` takes for ``plan``, one after another as each taken design is made unable to
+    run the plan: its ranking, as far as this machine can run it, then direct."""
+    taken = [auto.decide(plan)[0]]
+    while taken[-1] != "direct":
+        auto._design(taken[-1]).unavailable = lambda plan: "knocked out by the test"
+        taken.append(auto.decide(plan)[0])
+    return taken
+
+
+@needs_cuda13_build
+@pytest.mark.parametrize(
+    "table",
+    [
+        None,  # no settings file: the threshold rule
+        {"d2h": {"32": list(AUTO_DESIGNS)}, "h2d": {"512": list(reversed(AUTO_DESIGNS))}},
+        {"d2h": {"32": ["staged", "direct"], "512": ["kernel-bulk", "batch"]}},  # h2d: the threshold rule
+        {"d2h": {"512": ["batch"]}, "h2d": {"32": ["kernel-bulk", "staged"]}},
+    ],
+)
+@pytest.mark.parametrize(("version", "capability"), [(13000, (9, 0)), (13000, (8, 0)), (12040, (9, 0))])
+def test_auto_on_cuda_tensors_lists_what_it_takes(monkeypatch, tmp_path, table, version, capability) -> None:
+    """info's CUDA choices for auto are the designs its calls take on this (pretend) machine, in its
+    ranking order: for every direction and fragment size, taking designs away one by one."""
+    path = tmp_path / "auto.json"
+    if table is not None:
+        path.write_text(json.dumps({"kernel_max_fragment_bytes": 64, "table": table}))
+    report = _env.gather()  # this machine's, for the text below
+    said = with_driver(monkeypatch, version, capability, auto_config=path)["auto"]
+    stream = types.SimpleNamespace(cuda_stream=7, device=None)  # a side stream: batch may run
+    monkeypatch.setattr(copy_engine, "plan_stream", lambda plan: stream)
+    taken: set[str] = set()
+    for direction in ("d2h", "h2d"):
+        for page_size in (1, 16):  # 32 B and 512 B fragments: either side of the 64 B threshold
+            plan, _, _ = cpu_plan(direction, page_size)
+            plan = dataclasses.replace(plan, route=dataclasses.replace(plan.route, device=torch.device("cuda", 0),
+                                                                       gpu_addressable=True))  # fmt: skip
+            sequence = knock_out_sequence(AutoBackend(), plan)
+            if table is None and page_size == 1:  # the threshold rule's ranking, in its order
+                assert sequence == [d for d in said.choices["cuda"] if d in AutoBackend.THRESHOLD_RANKING]
+            taken.update(sequence)
+    assert said.choices["cuda"] == sorted(taken, key=AUTO_DESIGNS.index)
+    assert said.ranking["designs"] == list(AutoBackend(path=path).candidates())
+    assert set(said.choices["cuda"]) <= set(said.ranking["designs"])
+    assert said.ranking["exists"] is (table is not None)
+    text = info.format_report({**report, "io_backends": {"auto": dataclasses.asdict(said)}})
+    assert f"among {', '.join(said.choices['cuda'])}" in text or f"always {said.choices['cuda'][0]}" in text

@@ -7,11 +7,23 @@
 - :mod:`.nixl`: ``NixlBackend`` (the file backend's objects, each batch moved by one NIXL transfer; NIXL
   is imported when one is built).
 - :mod:`.registry`: :func:`create_backend` (``"file"`` or ``"module:Class"`` with a JSON/TOML config).
+- :mod:`.tier`: :class:`PrefetchPolicy` (how long a prefetch from storage may take: ``HiRadixCache(...,
+  prefetch_policy=PrefetchPolicy(...))``) and the tier's threads.
 """
 
 from .base import StorageBackend, page_views
 from .file import FileBackend
 from .keys import Namespace, page_keys
 from .registry import create_backend, load_config
+from .tier import PrefetchPolicy
 
-__all__ = ["FileBackend", "Namespace", "StorageBackend", "create_backend", "load_config", "page_keys", "page_views"]
+__all__ = [
+    "FileBackend",
+    "Namespace",
+    "PrefetchPolicy",
+    "StorageBackend",
+    "create_backend",
+    "load_config",
+    "page_keys",
+    "page_views",
+]
