@@ -16,8 +16,10 @@ from .config import ESTIMATE_GBPS, ESTIMATE_US_PER_FRAGMENT
 def main(argv: list[str] | None = None) -> int:
     """Run the bench (see :mod:`hicache_kernels.bench`); returns the exit status."""
     args = parse_args(argv)
+    # The JSON's command, commit and machine, as the run starts.
+    prov = benchutil.provenance("hicache_kernels.bench", argv) if args.json else {}
     if args.host_overhead:
-        return host_overhead.run(args, benchutil.run_meta("bench", vars(args)))
+        return host_overhead.run(args, benchutil.run_meta("bench", vars(args)), prov)
     specs = planning.plan_sweep(args)
     meta = benchutil.run_meta("bench", vars(args))
     est = memory.estimate_s(specs, args.repeats, args.warmup, args.refcheck)
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{ESTIMATE_GBPS:g} GB/s plus {ESTIMATE_US_PER_FRAGMENT:g} us per copy-engine fragment; setup, "
           "interference and overlap not counted)")  # fmt: skip
     if not torch.cuda.is_available():
-        return _functional_check(args, meta)
+        return _functional_check(args, meta, prov)
     torch.cuda.init()
     link_gbps, link = results.link_bandwidth()
     meta["link_theoretical_gbps"], meta["link"] = link_gbps, link
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except sweep.LinkCheckError as exc:
         progress.close()
         meta["link_check"] = results.link_check_meta(link_gbps, why_not, str(exc))
-        benchutil.write_outputs(args.json, None, meta, exc.points)
+        benchutil.write_outputs(args.json, None, meta, exc.points, **prov)
         print(f"bench: refused: {exc}", file=sys.stderr)
         return 3
     progress.close()
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in results.format_tuned(tuned):
             print(line)
         print(f"auto's table saved to {saved}")
-    for line in benchutil.write_outputs(args.json, args.csv, meta, points):
+    for line in benchutil.write_outputs(args.json, args.csv, meta, points, **prov):
         print(line)
     if args.plot:
         results.plot(args.plot, points, args.sm_budget)
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if wrong else 0
 
 
-def _functional_check(args, meta: dict) -> int:
+def _functional_check(args, meta: dict, prov: dict) -> int:
     """Without a GPU: the functional cross-check of the CPU-capable backends (no figures)."""
     meta["link_theoretical_gbps"] = None
     meta["link_check"] = results.link_check_meta(None, "no GPU")
@@ -100,7 +102,7 @@ def _functional_check(args, meta: dict) -> int:
     for c in checks:
         if not c["ok"]:
             print(f"  FAILED {c}")
-    benchutil.write_outputs(args.json, None, meta, [], mode=cpu_check.MODE, functional_check=checks)
+    benchutil.write_outputs(args.json, None, meta, [], mode=cpu_check.MODE, functional_check=checks, **prov)
     return 0 if all(c["ok"] for c in checks) else 1
 
 

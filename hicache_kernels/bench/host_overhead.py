@@ -265,8 +265,9 @@ def measure_host_overhead(calls: int, device: torch.device, progress: benchutil.
     return points
 
 
-def run(args: argparse.Namespace, meta: dict[str, Any]) -> int:
-    """``python -m hicache_kernels.bench --host-overhead``: measure, print the table, write the outputs."""
+def run(args: argparse.Namespace, meta: dict[str, Any], prov: dict[str, Any] | None = None) -> int:
+    """``python -m hicache_kernels.bench --host-overhead``: measure, print the table, write the outputs (the
+    JSON with ``prov``'s keys at its top level: :func:`~hicache_kernels.benchutil.provenance`)."""
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     where = "CUDA pools, pinned host pools" if on_gpu else "no GPU: CPU pools (the same Python side; no device sync)"
@@ -288,6 +289,7 @@ def run(args: argparse.Namespace, meta: dict[str, Any]) -> int:
     settings = {"backend": NoopBackend.name, "layout": LAYOUT, "page_size": PAGE_SIZE, "slots": SLOTS,
                 "device_slots": DEVICE_SLOTS, "host_slots": HOST_SLOTS, "device": device.type,
                 "timer": "time.perf_counter_ns per call (layerwise: per block of num_layers calls)"}  # fmt: skip
-    for line in benchutil.write_outputs(args.json, args.csv, meta, points, mode=MODE, host_overhead=settings):
+    extra = {"mode": MODE, "host_overhead": settings, **(prov or {})}
+    for line in benchutil.write_outputs(args.json, args.csv, meta, points, **extra):
         print(line)
     return 0

@@ -6,7 +6,7 @@ the unit tests), reported as the median and quantiles. Nothing is extrapolated.
 
 ========================  =======================================================================
 :mod:`.timing`            timers (:class:`CudaEventTimer`, :class:`HostTimer`), :func:`measure`, :class:`Stats`
-:mod:`.output`            run metadata, JSON/CSV writers, text tables, byte sizes, the progress bar
+:mod:`.output`            run metadata, provenance, JSON/CSV writers, text tables, byte sizes, progress
 :mod:`.args`              :class:`OneLineParser` and comma-list parsing with errors naming the flag
 :mod:`.plotting`          matplotlib without pyplot, and whether it is there
 :mod:`.link`              the PCIe link from NVML (handle, facts, theoretical bandwidth)
@@ -22,7 +22,10 @@ from .output import (
     format_bytes,
     format_table,
     git_commit,
+    machine_facts,
+    provenance,
     run_meta,
+    source_commit,
     write_csv,
     write_json,
     write_outputs,
@@ -49,14 +52,17 @@ __all__ = [
     "git_commit",
     "issuing",
     "link_facts",
+    "machine_facts",
     "measure",
     "names",
     "new_figure",
     "no_repeats",
     "nvml_for_device",
     "plot_unavailable",
+    "provenance",
     "run_meta",
     "save_figure",
+    "source_commit",
     "summarize",
     "theoretical_of",
     "write_csv",

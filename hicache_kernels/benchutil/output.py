@@ -1,34 +1,135 @@
-"""What a benchmark run writes: run metadata, JSON and CSV files, text tables, byte sizes, progress."""
+"""What a benchmark run writes: run metadata and provenance, JSON and CSV files, text tables, byte sizes,
+progress."""
 
 from __future__ import annotations
 
 import csv
 import datetime as _dt
+import importlib.util
 import json
+import os
 import platform
+import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 _BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+_HERE = Path(__file__).resolve()
 
 
-def git_commit(root: Path | None = None) -> str | None:
-    """The checkout's commit (12 hex digits, ``-dirty`` with uncommitted changes), None outside git."""
-    root = root or Path(__file__).resolve().parents[2]
+def _git(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10)
+
+
+def source_commit(source: str | Path | None = None) -> tuple[str | None, str | None]:
+    """The commit of the git checkout the file ``source`` (default: this package's) belongs to, and None;
+    or None and why there is none.
+
+    The commit is ``git rev-parse --short=12 HEAD``, with ``-dirty`` when the checkout's tracked files
+    differ from it (``git status --porcelain --untracked-files=no``) or ``source`` itself is a new,
+    untracked file. None: not in a git checkout (installed from a wheel), ``source`` ignored by the
+    checkout around it (a package installed into a virtual environment inside a checkout: its commit is
+    not that checkout's), or git missing or failing."""
+    path = Path(source).resolve() if source else _HERE
+    folder = path.parent
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        out = _git(folder, "rev-parse", "--show-toplevel")
+        if out.returncode != 0:
+            why = (out.stderr.strip().splitlines() or ["git rev-parse failed"])[0]
+            return None, f"not in a git checkout: {folder} ({why}; installed from a wheel or an sdist?)"
+        top = out.stdout.strip()
+        untracked = _git(folder, "ls-files", "--error-unmatch", "--", path.name).returncode != 0
+        if untracked and _git(folder, "check-ignore", "-q", "--", path.name).returncode == 0:
+            return None, f"{path} is ignored by the git checkout {top}: an installed copy, not its source"
+        head = _git(folder, "rev-parse", "--short=12", "HEAD")
+        if head.returncode != 0:
+            return None, f"git rev-parse HEAD failed in {top}: {head.stderr.strip()}"
+        status = _git(folder, "status", "--porcelain", "--untracked-files=no")
+        if status.returncode != 0:
+            return None, f"git status failed in {top}: {status.stderr.strip()}"
+    except FileNotFoundError:
+        return None, "git is not installed"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"git failed: {exc}"
+    return head.stdout.strip() + ("-dirty" if untracked or status.stdout.strip() else ""), None
+
+
+def git_commit(source: str | Path | None = None) -> str | None:
+    """The checkout's commit (12 hex digits, ``-dirty`` with uncommitted changes), None outside git
+    (:func:`source_commit`, without the reason)."""
+    return source_commit(source)[0]
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
         return None
-    if out.returncode != 0:
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the machine is, for a result's ``machine``: CPU model, logical CPUs (and those this process
+    may run on), RAM, the current GPU's name (None without one) and how many, OS, Python and torch. The
+    host name is recorded too but says nothing about the hardware."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "host": platform.node(),
+        "arch": platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_bytes": _memory_bytes(),
+        "gpu": torch.cuda.get_device_name(torch.cuda.current_device()) if gpus else None,
+        "gpus": gpus,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def _module_file(module: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
         return None
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"], capture_output=True, text=True)
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def provenance(module: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Where a result came from, the same top-level keys in every benchmark's JSON: ``command`` (``python -m
+    MODULE ARGS``, the arguments as given: ``argv``, else this process's), ``commit`` (:func:`source_commit`
+    of the module's source; None with ``commit_unavailable`` saying why) and ``machine``
+    (:func:`machine_facts`)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    commit, why = source_commit(_module_file(module))
+    out: dict[str, Any] = {"command": shlex.join(["python", "-m", module, *args]), "commit": commit}
+    if commit is None:
+        out["commit_unavailable"] = why
+    out["machine"] = machine_facts()
+    return out
 
 
 def run_meta(tool: str, args: dict[str, Any]) -> dict[str, Any]:

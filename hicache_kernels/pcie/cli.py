@@ -69,6 +69,7 @@ def _status_lines() -> tuple[list[str], dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep (or report why it cannot run) and write the outputs; returns the exit status."""
     args = parse_args(argv)
+    prov = benchutil.provenance("hicache_kernels.pcie", argv) if args.json else {}  # command, commit, machine
     try:
         sweep = resolve_sweep(args)
     except ValueError as exc:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print("pcie: host-link bandwidth and latency need a CUDA GPU; none is usable here, nothing measured.")
         print("\n".join(lines))
         meta = benchutil.run_meta("pcie", vars(args))
-        for line in benchutil.write_outputs(args.json, args.csv, meta, [], mode="no-gpu", reasons=reasons):
+        for line in benchutil.write_outputs(args.json, args.csv, meta, [], mode="no-gpu", reasons=reasons, **prov):
             print(line)
         if args.plot:
             print(f"pcie: --plot {args.plot}: nothing to plot without a GPU")
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "nvml": {"available": nvml is not None, "reason": nvml_reason}
         | (sampler.summary() if sampler is not None else {}),
         "notes": notes,
+        **prov,
     }
     for line in benchutil.write_outputs(args.json, args.csv, meta, points, **extra):
         print(line)

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from provenancecheck import check_provenance
 
 from hicache.bench import host_setup
 from hicache.pools import host_memory
@@ -15,7 +16,8 @@ from hicache.pools import host_memory
 def test_bench_host_setup_writes_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(host_memory, "_SMALL_BYTES", 0)  # the thread counts asked for, on a small buffer
     out = tmp_path / "setup.json"
-    rc = host_setup.main(["--gib", "0.03125", "--threads", "1", "3", "--repeats", "2", "--no-pin", "--json", str(out)])
+    args = ["--gib", "0.03125", "--threads", "1", "3", "--repeats", "2", "--no-pin", "--json", str(out)]
+    rc = host_setup.main(args)
     data = json.loads(out.read_text())
     assert data["bench"] == "hicache.bench.host_setup" and data["bytes"] == 32 << 20 and not data["pinned"]
     assert data["memset_s"] > 0 and data["memset_gbps"] > 0
@@ -27,6 +29,7 @@ def test_bench_host_setup_writes_json(tmp_path, capsys, monkeypatch):
         assert r["vs_memset"] == pytest.approx(data["memset_s"] / r["populate_s"])
     assert data["target"]["status"] in ("PASS", "MISS") and rc == 0
     assert "single-threaded memset" in capsys.readouterr().out
+    check_provenance(data, "hicache.bench.host_setup", args)
 
 
 @pytest.mark.parametrize(

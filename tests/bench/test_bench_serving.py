@@ -8,6 +8,7 @@ import random
 from collections import Counter
 
 import pytest
+from provenancecheck import check_provenance
 
 from hicache.bench.serving import MODES, main, parse_args, pool_sizes
 from hicache.serving.workloads import longqa
@@ -40,6 +41,7 @@ def test_bench_serving_quick(tmp_path, workload):
     assert (tmp_path / "s.png").stat().st_size > 0
     assert data["target"]["status"] == "n/a" and data["target"]["measured"] > 0  # a CPU run: the ratio only
     assert data["cpu_ordering"]["hit_rate_above_device_only"] is True
+    check_provenance(data, "hicache.bench.serving", args)
 
 
 @pytest.mark.parametrize(

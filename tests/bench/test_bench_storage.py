@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from provenancecheck import check_provenance
+
 from hicache.bench.storage import main
 
 
@@ -25,6 +27,7 @@ def test_bench_storage_writes_json(tmp_path, capsys):
     assert data["target"]["status"] is None
     assert data["objects"] == []  # MLA pages are stored as they are
     assert "get/seq" in capsys.readouterr().out
+    check_provenance(data, "hicache.bench.storage", args)
 
 
 def test_bench_storage_reports_the_objects_staging_cost(tmp_path, capsys):
@@ -44,12 +47,14 @@ def test_bench_storage_reports_the_objects_staging_cost(tmp_path, capsys):
 
 def test_bench_storage_prefetch_layout_and_head_group(tmp_path, capsys):
     out = tmp_path / "storage.json"
-    args = ["--presets", "llama3-8b", "--page-sizes", "1", "--pages", "1", "--repeats", "1", "--prefetch-hits", "1",
+    args = ["--presets", "llama3-8b", "--page-sizes", "1", "--pages", "1", "--repeats", "3", "--prefetch-hits", "1",
             "--prefetch-layout", "page_head", "--head-group", "2", "--dir", str(tmp_path),
             "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     (p,) = json.loads(out.read_text())["prefetch"]
     assert (p["layout"], p["head_group"], p["objects_per_page"]) == ("page_head", 2, 4) and p["latency_s"] > 0
+    # each of --repeats prefetches into a fresh cache; the row's latency is their median
+    assert len(p["latencies_s"]) == 3 and p["latency_s"] == sorted(p["latencies_s"])[1]
     assert "4 objects a page" in capsys.readouterr().out
     import pytest
 

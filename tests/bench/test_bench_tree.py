@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from provenancecheck import check_provenance
 
 from hicache.bench.tree import Workload, main, make_requests
 from hicache.tree.core import choose_core, compiled_core_status
@@ -32,9 +33,11 @@ def reference_hits(requests: list[list[int]], page_size: int) -> int:
 
 def test_bench_tree_writes_json_with_the_workloads_hit_rate(tmp_path):
     out = tmp_path / "tree.json"
-    assert main([*TINY, "--no-sglang", "--json", str(out)]) == 0
+    argv = [*TINY, "--no-sglang", "--json", str(out)]
+    assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["bench"] == "hicache.bench.tree" and data["sglang_version"] is None
+    check_provenance(data, "hicache.bench.tree", argv)
     w = Workload(0, 6, 3, 2, 40, 12, 20)
     requests = make_requests(w)
     assert data["workload"]["requests"] == len(requests) == 18
@@ -95,9 +98,11 @@ def test_scale_quick_writes_json_with_the_schema_fields(core, tmp_path, capsys):
     from hicache.bench import scale as bench_scale
 
     out = tmp_path / "scale.json"
-    assert main(["--scale", "--quick", "--tree-core", core, "--json", str(out)]) == 0
+    argv = ["--scale", "--quick", "--tree-core", core, "--json", str(out)]
+    assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["bench"] == "hicache.bench.tree --scale"
+    check_provenance(data, "hicache.bench.tree", argv)
     assert {"git_commit", "time_utc", "torch", "host", "machine", "cpus"} <= set(data["meta"])
     c = data["config"]
     assert (c["page_size"], c["prompt_tokens"], c["requests"], c["host_ratio"], c["verify"]) == (16, 33, 30, 4.0, True)
@@ -182,6 +187,7 @@ def test_compare_sglang_latest_says_why_when_sglang_does_not_import(tmp_path, ca
     argv = [*TINY, "--no-sglang", "--tree-core", "python", "--slot-sizes", "--compare", "sglang-latest"]
     assert main([*argv, "--sglang-path", str(fake), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    check_provenance(data, "hicache.bench.tree", [*argv, "--sglang-path", str(fake), "--json", str(out)])
     latest = data["sglang_latest"]
     assert latest["available"] is False
     assert latest["reason"] == (

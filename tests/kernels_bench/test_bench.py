@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from provenancecheck import check_provenance
 
 from hicache_kernels import bench, benchutil, targets
 from hicache_kernels.backends import AutoBackend, BatchBackend, IOBackend
@@ -44,8 +45,9 @@ def test_help():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the no-GPU mode")
 def test_no_gpu_mode_runs_the_functional_check(tmp_path):
     out = tmp_path / "bench.json"
-    proc = cli("--quick", "--json", str(out), "--csv", str(tmp_path / "b.csv"), "--plot", str(tmp_path / "b.png"),
-               "--tune-auto", str(tmp_path / "auto.json"))  # fmt: skip
+    argv = ["--quick", "--json", str(out), "--csv", str(tmp_path / "b.csv"), "--plot", str(tmp_path / "b.png"),
+            "--tune-auto", str(tmp_path / "auto.json")]  # fmt: skip
+    proc = cli(*argv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bandwidth needs a CUDA GPU" in proc.stdout and "no GB/s" in proc.stdout
     # What it could not do is named, in one line (--quick's own interference and overlap are not).
@@ -61,6 +63,7 @@ def test_no_gpu_mode_runs_the_functional_check(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["mode"] == "cpu-functional-check" and doc["points"] == []
     assert bench.validate_bench_json(doc) == []
+    check_provenance(doc, "hicache_kernels.bench", argv)
     assert doc["meta"]["link_theoretical_gbps"] is None and doc["meta"]["link_check"]["made"] is False
     checks = doc["functional_check"]
     assert {c["backend"] for c in checks} == {"direct", "batch", "auto", "triton"}
@@ -437,12 +440,15 @@ def test_progress_bar(capsys):
 @pytest.mark.gpu
 def test_quick_bench_on_gpu_writes_sane_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = cli("--preset", "custom", "--layers", "4", "--kv-heads", "2", "--head-dim", "128", "--page-sizes", "1,16",
-               "--tokens", "256", "--layouts", "page_first_direct", "--repeats", "3", "--warmup", "1",
-               "--sm-sweep", "1,2", "--json", str(out))  # fmt: skip
+    argv = ["--preset", "custom", "--layers", "4", "--kv-heads", "2", "--head-dim", "128", "--page-sizes", "1,16",
+            "--tokens", "256", "--layouts", "page_first_direct", "--repeats", "3", "--warmup", "1",
+            "--sm-sweep", "1,2", "--json", str(out)]  # fmt: skip
+    proc = cli(*argv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert bench.validate_bench_json(doc) == []
+    check_provenance(doc, "hicache_kernels.bench", argv)
+    assert doc["machine"]["gpu"] == doc["meta"]["gpu"]
     transfer = [p for p in doc["points"] if p["kind"] == "transfer"]
     assert transfer and all(p["gbps"] > 0 and p["ceiling_gbps"] > 0 for p in transfer)
     for p in transfer:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from provenancecheck import check_provenance
 
 from hicache_kernels import bench, benchutil, targets
 from hicache_kernels.bench import host_overhead
@@ -32,10 +33,12 @@ def test_host_overhead_mode_writes_every_op_and_targets_reads_it(tmp_path):
     from hicache_kernels.compat import sgl_kernel
 
     out = tmp_path / "host.json"
-    proc = cli("--host-overhead", "--calls", "20", "--json", str(out), "--csv", str(tmp_path / "host.csv"))
+    argv = ["--host-overhead", "--calls", "20", "--json", str(out), "--csv", str(tmp_path / "host.csv")]
+    proc = cli(*argv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "layer-wise load of deepseek-v3 (61 layers):" in proc.stdout
     doc = json.loads(out.read_text())
+    check_provenance(doc, "hicache_kernels.bench", argv)
     assert doc["mode"] == targets.HOST_OVERHEAD_MODE and doc["meta"]["tool"] == "bench"
     assert doc["host_overhead"]["backend"] == "noop" and bench.validate_bench_json(doc) == []
     pts = doc["points"]

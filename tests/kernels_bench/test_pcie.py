@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from provenancecheck import check_provenance
 
 from hicache_kernels import _env, benchutil, pcie
 from hicache_kernels.pcie import GiB, KiB, MiB, PointSpec, Workload
@@ -65,7 +66,8 @@ def test_no_gpu_mode(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     out_json, out_csv = tmp_path / "pcie.json", tmp_path / "pcie.csv"
-    proc = run_pcie("--quick", "--json", str(out_json), "--csv", str(out_csv), "--plot", str(tmp_path / "p.png"))
+    argv = ["--quick", "--json", str(out_json), "--csv", str(out_csv), "--plot", str(tmp_path / "p.png")]
+    proc = run_pcie(*argv)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "need a CUDA GPU" in proc.stdout
@@ -74,6 +76,7 @@ def test_no_gpu_mode(tmp_path: Path) -> None:
     assert set(report) >= {"meta", "points", "mode", "reasons"}
     assert report["points"] == [] and report["mode"] == "no-gpu"
     assert report["meta"]["tool"] == "pcie" and report["meta"]["args"]["quick"] is True
+    check_provenance(report, "hicache_kernels.pcie", argv)
     assert all(isinstance(v, str) and v for v in report["reasons"].values())
     assert set(report["reasons"]) == {"torch", "nvml", "driver", "extension"}
     assert out_csv.exists()
@@ -487,6 +490,8 @@ def test_main_gpu_path_with_fakes(
     report = json.loads(out.read_text())
     assert report["mode"] == "gpu" and report["theoretical_gbps"] == pytest.approx(63.02)
     assert report["device"]["name"] == "NVIDIA H200" and report["meta"]["gpu"] == "NVIDIA H200"
+    check_provenance(report, "hicache_kernels.pcie", argv)
+    assert report["machine"]["gpu"] == "NVIDIA H200" and report["machine"]["gpus"] == 1
     assert report["nvml"]["available"] is True and "tx_samples" in report["nvml"]
     points = report["points"]
     kernel_points = [p for p in points if p["method"] == "kernel"]
@@ -507,13 +512,13 @@ def test_main_gpu_path_with_fakes(
 @pytest.mark.gpu
 def test_pcie_cli_on_gpu(tmp_path: Path) -> None:
     out = tmp_path / "pcie.json"
-    proc = run_pcie(
-        "--quick", "--sizes", "64K,4M", "--sm-counts", "1,4", "--latency-repeats", "20", "--json", str(out),
-        "--csv", str(tmp_path / "pcie.csv"), timeout=300,
-    )  # fmt: skip
+    argv = ["--quick", "--sizes", "64K,4M", "--sm-counts", "1,4", "--latency-repeats", "20", "--json", str(out),
+            "--csv", str(tmp_path / "pcie.csv")]  # fmt: skip
+    proc = run_pcie(*argv, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["mode"] == "gpu"
+    check_provenance(report, "hicache_kernels.pcie", argv)
     points = report["points"]
     bw = [p for p in points if p["kind"] == "bandwidth"]
     lat = [p for p in points if p["kind"] == "latency"]

@@ -24,8 +24,6 @@ import argparse
 import gc
 import json
 import mmap
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hicache_kernels.benchutil import provenance
 
 from ..pools import host_memory
 
@@ -108,10 +108,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "memset_s": memset,
         "memset_gbps": nbytes / memset / 1e9 if memset > 0 else 0.0,
         "default_threads": default_threads,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": rows,
         "target": {
@@ -152,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if available is not None and a.gib * _GIB > available - a.safety_margin_gib * _GIB:
         p.error(f"--gib: {a.gib:.2f} GiB does not fit in available RAM {available / _GIB:.2f} GiB minus the "
                 f"safety margin {a.safety_margin_gib:.2f} GiB")  # fmt: skip
-    out = run(a)
+    prov = provenance("hicache.bench.host_setup", argv) if a.json else {}  # the code and machine as the run starts
+    out = {**prov, **run(a)}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {a.json}")

@@ -35,10 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import random
-import shlex
 import statistics
 import sys
 import tempfile
@@ -48,7 +45,7 @@ from typing import Any
 
 import torch
 
-from hicache_kernels.benchutil.output import git_commit
+from hicache_kernels.benchutil import provenance
 
 from ..cache.radix_cache import HiRadixCache
 from ..pools import HostKVPool
@@ -412,6 +409,7 @@ def pool_sizes(a: argparse.Namespace, turns: list[Turn], prompt_of) -> PoolSizes
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    prov = provenance("hicache.bench.serving", argv) if a.json else {}  # the code and machine as the run starts
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         print(f"hicache.bench.serving: --device {a.device}: no CUDA device is visible here "
               f"(torch {torch.__version__}); nothing measured", file=sys.stderr)  # fmt: skip
@@ -464,12 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target: {target['target']}: {target['measured']:.3f} (<= {TARGET_RATIO}): {target['status']}"
               + (f" ({target['note']})" if "note" in target else ""))  # fmt: skip
     print("ordering: " + ", ".join(f"{k} {v}" for k, v in order.items() if v is not None))
-    gpu_name = torch.cuda.get_device_name() if torch.device(a.device).type == "cuda" else None
     out = {
+        **prov,
         "bench": "hicache.bench.serving",
-        "command": "python -m hicache.bench.serving " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "commit": git_commit(),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu_name},
         "target": target,
         "cpu_ordering": order,
         "workload": a.workload,
@@ -479,8 +474,6 @@ def main(argv: list[str] | None = None) -> int:
         "documents_kv_tokens": docs_kv,  # longqa only (None otherwise)
         "documents_kv_over_device_pool": None if docs_kv is None else docs_kv / slots,
         "model": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in dataclasses.asdict(cfg).items()},
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": results,
     }

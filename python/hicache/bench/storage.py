@@ -7,7 +7,8 @@ the same bytes go through one file with ``os.pwritev`` / ``os.preadv`` (the sequ
 Both reads come from the page cache (a benchmark without root cannot drop it), so the ratio compares
 the backend's per-page work (open, header, checksum, index) with a plain copy, which is what decides
 whether the tier beats recomputation. Then a cache backed by the store prefetches hits of growing
-length (``wait_complete``), timing ``prefetch_from_storage`` until ``check_prefetch_progress`` admits.
+length (``wait_complete``), timing ``prefetch_from_storage`` until ``check_prefetch_progress`` admits
+(the median of ``--repeats`` prefetches, each into a fresh cache).
 
 Target (the storage issue's): file backend batch get of 128 pages >= 70% of the same-run sequential
 read of the same bytes.
@@ -36,7 +37,6 @@ import ctypes
 import json
 import mmap
 import os
-import platform
 import secrets
 import statistics
 import sys
@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from hicache_kernels.benchutil import provenance
 from hicache_kernels.layouts import LAYOUTS
 
 from ..cache.radix_cache import HiRadixCache
@@ -264,9 +265,10 @@ def backend_remove(backend: StorageBackend, key: str) -> None:
 
 
 def bench_prefetch(make_backend, preset: str, page_size: int, hits: list[int], layout: str = "page_first",
-                   head_group: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+                   head_group: int = 1, repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
     """Prefetch latency (start to admission, ``wait_complete``) for hits of ``hits`` pages, host pools in
-    ``layout``, MHA pages stored as objects of ``head_group`` heads."""
+    ``layout``, MHA pages stored as objects of ``head_group`` heads: the median of ``repeats`` prefetches,
+    each into a fresh cache (``latencies_s`` keeps them all)."""
     layers, heads, dim, mla = PRESETS[preset]
     out = []
     most = max(hits)
@@ -287,19 +289,22 @@ def bench_prefetch(make_backend, preset: str, page_size: int, hits: list[int], l
         writer.insert(tokens, slots)
         writer.flush()
         for n in hits:
-            with cache() as reader:
-                toks = tokens[: n * page_size]
-                t0 = time.perf_counter()
-                m = reader.match_prefix(toks)
-                assert reader.prefetch_from_storage("r", m.last_host_node, toks)
-                while not reader.check_prefetch_progress("r"):
-                    time.sleep(0.0001)
-                dt = time.perf_counter() - t0
-                assert reader.metrics.storage_hit_tokens == len(toks)
-                out.append({"hit_pages": n, "hit_tokens": len(toks), "latency_s": dt, "layout": layout,
-                            "head_group": 1 if mla else head_group,
-                            "objects_per_page": reader.storage.objects.objects_per_page,
-                            "gbps": n * reader.host_pool.page_bytes / dt / 1e9})  # fmt: skip
+            toks = tokens[: n * page_size]
+            times = []
+            for _ in range(repeats):
+                with cache() as reader:
+                    t0 = time.perf_counter()
+                    m = reader.match_prefix(toks)
+                    assert reader.prefetch_from_storage("r", m.last_host_node, toks)
+                    while not reader.check_prefetch_progress("r"):
+                        time.sleep(0.0001)
+                    times.append(time.perf_counter() - t0)
+                    assert reader.metrics.storage_hit_tokens == len(toks)
+                    objects_per_page, page_bytes = reader.storage.objects.objects_per_page, reader.host_pool.page_bytes
+            dt = statistics.median(times)
+            out.append({"hit_pages": n, "hit_tokens": len(toks), "latency_s": dt, "latencies_s": times,
+                        "layout": layout, "head_group": 1 if mla else head_group,
+                        "objects_per_page": objects_per_page, "gbps": n * page_bytes / dt / 1e9})  # fmt: skip
     return out
 
 
@@ -345,9 +350,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               f"{cost}")  # fmt: skip
         if args.prefetch_hits:
             prefetch = bench_prefetch(make_backend, args.presets[0], args.page_sizes[0], args.prefetch_hits,
-                                      args.prefetch_layout, args.head_group)  # fmt: skip
+                                      args.prefetch_layout, args.head_group, args.repeats)  # fmt: skip
             for p in prefetch:
                 print(f"prefetch {p['hit_pages']:>4} pages ({p['hit_tokens']} tokens): {1e3 * p['latency_s']:8.2f} ms "
+                      f"(median of {len(p['latencies_s'])}) "
                       f"({p['gbps']:.2f} GB/s; {p['layout']}, {p['objects_per_page']} objects a page)")  # fmt: skip
     # With --direct-io, rows whose pages went buffered compare a warm read with a cold one: not counted.
     counted = [r for r in rows if r["pages"] >= 128 and not (args.direct_io and r["direct_fallbacks"])]
@@ -374,9 +380,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "repeats": args.repeats,
         "direct_io": bool(args.direct_io),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": rows,
         "prefetch": prefetch,
@@ -415,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{name}: expected >= 1, got {value}")
     if a.direct_io and a.backend != "file":
         p.error(f"--direct-io: only the file backend has it, got --backend {a.backend}")
-    out = run(a)
+    prov = provenance("hicache.bench.storage", argv) if a.json else {}  # the code and machine as the run starts
+    out = {**prov, **run(a)}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {a.json}")

@@ -38,7 +38,6 @@ import gc
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -49,7 +48,7 @@ from typing import Any
 
 import torch
 
-from hicache_kernels.benchutil import run_meta
+from hicache_kernels.benchutil import provenance, run_meta
 
 from ..cache.radix_cache import HiRadixCache
 from ..pools import DeviceKVPool, HostKVPool
@@ -259,9 +258,6 @@ def run_bench(
         "workload": {**asdict(w), "requests": len(requests), "tokens": total},
         "repeats": repeats,
         "sglang_version": _sglang_version() if compare else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": rows,
     }
@@ -325,7 +321,7 @@ def _child_argv(a: argparse.Namespace) -> list[str]:
     return argv + (["--shared-token-objects"] if a.shared_token_objects else [])
 
 
-def _main_scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+def _main_scale(p: argparse.ArgumentParser, a: argparse.Namespace, prov: dict[str, Any]) -> int:
     quick = a.quick
     sizes = a.scale_sizes or list(bench_scale.QUICK_SIZES if quick else bench_scale.DEFAULT_SIZES)
     try:
@@ -337,7 +333,7 @@ def _main_scale(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     cfg = bench_scale.ScaleConfig(requests=requests, warmup=5 if quick else bench_scale.ScaleConfig.warmup,
                                   seed=a.seed, tree_core=core, verify=quick)  # fmt: skip
     args = {"scale_sizes": sizes, "requests": requests, "quick": quick, "seed": a.seed, "tree_core": core}
-    out = bench_scale.run_scale(sizes, cfg, args)
+    out = {**prov, **bench_scale.run_scale(sizes, cfg, args)}
     print(bench_scale.format_scale(out))
     if a.json:
         with open(a.json, "w") as f:
@@ -391,12 +387,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"--scale: sizes {quick}, 30 requests, verify() after fill and requests")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
+    prov = provenance("hicache.bench.tree", argv) if a.json else {}  # the code and machine as the run starts
     if a.scale:
         if a.compare:
             p.error("--compare: applies to the match + insert comparison, not to --scale")
         if a.requests is not None and a.requests < 1:
             p.error(f"--requests: expected >= 1, got {a.requests}")
-        return _main_scale(p, a)
+        return _main_scale(p, a, prov)
     for flag, given in (("--scale-sizes", a.scale_sizes), ("--requests", a.requests), ("--quick", a.quick)):
         if given:
             p.error(f"{flag}: only with --scale")
@@ -409,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.sglang_latest_child:
         print(json.dumps(sglang_latest_child(w, a.page_sizes, a.repeats)))
         return 0
-    out = run_bench(w, a.page_sizes, a.repeats, compare=not a.no_sglang, tree_core=a.tree_core)
+    out = {**prov, **run_bench(w, a.page_sizes, a.repeats, compare=not a.no_sglang, tree_core=a.tree_core)}
     if a.compare == "sglang-latest":
         child = bench_sglang.run_child(_child_argv(a), bench_sglang.search_path(a.sglang_path))
         add_sglang_latest(out, child, make_requests(w))
