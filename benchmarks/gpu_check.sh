@@ -32,8 +32,14 @@
 #
 # --dry-run: on a CPU machine, run every step's command with CPU stand-ins (sm_90 assumed; pytest steps
 # collect instead of running; the bench and pcie CLIs take their no-GPU paths, --host-overhead times CPU
-# pools; compute-sanitizer is only looked up), so a wrong flag, a missing marker or a missing package
-# shows before GPU time is spent.
+# pools; compute-sanitizer is only looked up), so a wrong flag, a missing marker, tool or package
+# shows before GPU time is spent. A dry run changes nothing outside OUT_DIR: its build step installs
+# nothing and builds nothing into the tree (benchmarks/dry_build.sh: pip checks the real command with
+# --dry-run, and both extensions compile into OUT_DIR/dry-run/build, removed after; the steps after it
+# use the package as installed before, e.g. by scripts/setup.sh), and its temp files and caches
+# (TMPDIR, XDG_CACHE_HOME, Triton's, and Hypothesis's, which pytest's collection writes) and auto's
+# table (HICACHE_AUTO_CONFIG) are in OUT_DIR/dry-run. A real run builds and installs the package
+# editable (pip install -e .), and its pytest steps keep Hypothesis's files in the tree's .hypothesis/.
 # Exit status: 0 when every step that ran passed (in a dry run: when every step would start).
 #
 # Needs: python3 with torch (CUDA), triton, pybind11, ninja, nvidia-ml-py, pytest, pytest-timeout,
@@ -74,6 +80,7 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 FAILED=0
+NOTE=
 declare -a STEPS=()
 
 if [ $DRY = 1 ]; then
@@ -96,6 +103,7 @@ HEADER="GPU check: $GPU_NAME, sm_$ARCH, commit $(git rev-parse --short=12 HEAD 2
 write_summary() {
   {
     echo "$HEADER"
+    [ -n "$NOTE" ] && echo "$NOTE"
     printf '%s\n' "${STEPS[@]}"
     echo "elapsed $((SECONDS - START))s of ${BUDGET}s"
   } >"$SUMMARY"
@@ -130,13 +138,27 @@ step() {
   return 0
 }
 
+# The build step: the package built for ARCH and installed editable into $PY's environment. A dry run
+# checks that command instead (benchmarks/dry_build.sh), and keeps its own files in OUT_DIR/dry-run.
+BUILD=($PY -m pip install --no-build-isolation --no-deps -e .)
+if [ $DRY = 1 ]; then
+  SCRATCH=$OUT/dry-run
+  mkdir -p "$SCRATCH/tmp"
+  export TMPDIR=$SCRATCH/tmp XDG_CACHE_HOME=$SCRATCH/cache TRITON_CACHE_DIR=$SCRATCH/triton \
+    HYPOTHESIS_STORAGE_DIRECTORY=$SCRATCH/hypothesis HICACHE_AUTO_CONFIG=$SCRATCH/auto.json
+  BUILD=(bash benchmarks/dry_build.sh "$SCRATCH" "${BUILD[@]}")
+  NOTE="dry run: installs nothing and writes nothing outside $OUT (the build step: pip install --dry-run and a\
+ scratch build in $SCRATCH, removed after)"
+  echo "=== $NOTE" | tee -a "$LOG"
+fi
+
 # In a dry run pytest only collects (a marker or file that selects nothing exits 5 and fails the step).
 PYTEST=($PY -m pytest -q -p no:cacheprovider)
 [ $DRY = 1 ] && PYTEST+=(--collect-only)
 SMOKE=(-m gpu_smoke tests)
 
 if [ "$STAGE" != 2 ]; then
-  step build 180 $PY -m pip install --no-build-isolation --no-deps -e .
+  step build 180 "${BUILD[@]}"
   step info 30 sh -c "$PY -m hicache.info && $PY -m hicache.info --json >'$OUT/info.json'"
   step gpu-smoke 150 "${PYTEST[@]}" -rf --timeout=60 "${SMOKE[@]}"
   step bench-core 120 $PY -m hicache_kernels.bench --targets-core --refcheck --json "$OUT/bench_core.json"
@@ -149,7 +171,7 @@ fi
 if [ "$STAGE" != 1 ]; then
   if [ "$STAGE" = 2 ] && ! $PY -c 'import sys, hicache_kernels as h; sys.exit(0 if h.build_info()["cuda_built"] else 1)' \
     >>"$LOG" 2>&1; then
-    step build 180 $PY -m pip install --no-build-isolation --no-deps -e .  # a fresh machine: stage 1 built elsewhere
+    step build 180 "${BUILD[@]}"  # a fresh machine: stage 1 built elsewhere
   fi
   step gpu-tests 240 "${PYTEST[@]}" -rf -m gpu --maxfail=30 --timeout=60 tests
   # sgl-kernel's and SGLang's own tests, their transfers bound to hicache_kernels.compat by the switch and
