@@ -36,7 +36,7 @@ if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
 # --no-build-isolation: build against the tools installed above (also how a GPU box without network
-# builds); the extension itself does not link torch, so any torch works.
+# builds); the extension itself does not link torch, so any torch >= 2.4 works.
 pip install -q --no-build-isolation -e ".[test]"
 if [ "${HICACHE_MOONCAKE:-0}" = 1 ]; then
   if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
