@@ -277,7 +277,7 @@ def cpu_backend_status() -> dict[str, TensorStatus]:
     for name in IO_BACKENDS:
         k = torch.arange(8, dtype=torch.float32).reshape(1, 2, 1, 4)  # [layers, slots, heads, head_dim]
         v = k + 8
-        host = torch.zeros(2, 1, 2, 1, 4)  # layer_first: [K/V, layers, slots, heads, head_dim]
+        host = torch.full((2, 1, 2, 1, 4), -1.0)  # layer_first: [K/V, layers, slots, heads, head_dim], poisoned
         idx = torch.arange(2)
         try:
             backend = get_backend(name)

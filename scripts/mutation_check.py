@@ -748,6 +748,39 @@ MUTANTS = [
         _REQUIRE,
         "vllm",
     ),
+    Mutant(
+        "info-batch-unusable-on-cpu",
+        "info says batch cannot copy CPU tensors, which it does (35 #3: info reports what a call does)",
+        "hicache_kernels/_env.py",
+        "        if why is not None:\n            out[name] = TensorStatus(False, why)\n",
+        '        if why is not None or name == "batch":\n'
+        '            out[name] = TensorStatus(False, why or "no CUDA driver")\n',
+        ("tests/package/test_info.py", "-k", "cpu_tensors"),
+    ),
+    Mutant(
+        "storage-prefetch-not-the-median",
+        "the storage bench's prefetch latency is the last repeat, not the median (35 #4: figures from repeats)",
+        "python/hicache/bench/storage.py",
+        "            dt = statistics.median(times)\n",
+        "            dt = times[-1]\n",
+        ("tests/bench/test_bench_storage.py", "-k", "median"),
+    ),
+    Mutant(
+        "provenance-hides-dirty-tree",
+        "a result from an uncommitted tree records a clean commit (35 #4: every JSON records its commit)",
+        "hicache_kernels/benchutil/output.py",
+        '    return head.stdout.strip() + ("-dirty" if untracked or status.stdout.strip() else ""), None\n',
+        "    return head.stdout.strip(), None\n",
+        ("tests/kernels_bench/test_provenance.py",),
+    ),
+    Mutant(
+        "prefetch-policy-not-in-storage",
+        "PrefetchPolicy is not where users look for it, hicache.storage (35 #5)",
+        "python/hicache/storage/__init__.py",
+        "from .tier import PrefetchPolicy\n",
+        "",
+        ("tests/package/test_docs_facts.py", "-k", "prefetch_policy"),
+    ),
 ]
 
 

@@ -110,3 +110,19 @@ def test_bench_storage_direct_io_needs_the_file_backend(capsys):
     with pytest.raises(SystemExit):
         main(["--direct-io", "--backend", "mooncake"])
     assert "--direct-io: only the file backend" in capsys.readouterr().err
+
+
+def test_bench_storage_prefetch_latency_is_the_median_of_its_repeats(tmp_path, monkeypatch):
+    """Three prefetches timed 0.2 s, 0.1 s and 0.3 s (a stand-in clock): the row says 0.2 s, the median,
+    neither the first nor the last."""
+    import types
+
+    from hicache.bench import storage as bench
+    from hicache.storage import FileBackend
+
+    ticks = iter([0.0, 0.2, 1.0, 1.1, 2.0, 2.3])
+    clock = types.SimpleNamespace(perf_counter=lambda: next(ticks), sleep=lambda s: None)
+    monkeypatch.setattr(bench, "time", clock)
+    (row,) = bench.bench_prefetch(lambda: FileBackend(tmp_path / "store"), "deepseek-v3", 1, [1], repeats=3)
+    assert [round(t, 6) for t in row["latencies_s"]] == [0.2, 0.1, 0.3]
+    assert round(row["latency_s"], 6) == 0.2
