@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in (("full", []), ("quick", ["-m", "not slow and not build"])):
             cmd = [sys.executable, "-m", "pytest", "-q", "-n", "auto", "-p", "no:cacheprovider", *extra]
             seconds, out = _timed(cmd, ROOT, env)
-            suites[name] = {"command": " ".join(["python", *cmd[1:]]), "wall_s": round(seconds, 1), **_counts(out)}
+            suites[name] = {"command": shlex.join(["python", *cmd[1:]]), "wall_s": round(seconds, 1), **_counts(out)}
         record["tests"] = suites
     Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))

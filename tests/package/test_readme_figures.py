@@ -154,6 +154,16 @@ FIGURES: list[Fig] = [
         {"187": "min(eager(d, True))", "337": "max(eager(d, True))", "6.0": "min(eager(d, False))",
          "6.7": "max(eager(d, False))"}),
     # ------------------------------------------------------------------ the 2-core machine, 2026-12-06
+    Fig("2026-12-06_cpu-2core_build-and-tests.json",
+        "the full suite ran 4799 tests (1943 more skipped: GPU tests, and clients absent there) in 869 s with "
+        "`-n auto`",
+        {"869 s": "d['tests']['full']['wall_s']"}),
+    Fig("2026-12-06_cpu-2core_build-and-tests.json", "wheel builds and took 392 s",
+        {"392 s": "d['tests']['quick']['wall_s']"}),
+    Fig("2026-12-06_cpu-2core_build-and-tests.json",
+        "a clean sm_90 build (the host core included) took 28.7 s, a rebuild for sm_80 in the same `build/` "
+        "folder 11.0 s",
+        {"28.7 s": "d['builds']['clean_sm90_s']", "11.0 s": "d['builds']['rebuild_sm80_s']"}),
     Fig("2026-12-06_cpu-2core_host-overhead.json",
         "an eager op call took 4.7-5.2 us with `check_indices=False` and 7.3-7.8 us with the index checks",
         {"4.7": "min(eager(d, False))", "5.2": "max(eager(d, False))", "7.3": "min(eager(d, True))",
