@@ -76,14 +76,22 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def _memory_bytes() -> int | None:
+def meminfo_bytes(field: str) -> int | None:
+    """A ``/proc/meminfo`` field (``MemTotal``, ``Cached``, ...) in bytes, or None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _memory_bytes() -> int | None:
+    found = meminfo_bytes("MemTotal")
+    if found is not None:
+        return found
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError, AttributeError):

@@ -131,6 +131,19 @@ class NotMeasured:
     why: str
 
 
+# A serving run's usual sentence, in its order: hit rate device-only and hierarchical; TTFT p50 of recompute,
+# device-only, hierarchical; their ratio; TTFT p50 with the store and the share of prompt tokens from it.
+SERVING = ("hit(d, 'device')", "hit(d, 'hierarchical')", "p50_ms(d, 'recompute')", "p50_ms(d, 'device')",
+           "p50_ms(d, 'hierarchical')", "d['target']['measured']", "p50_ms(d, 'storage')",
+           "mode(d, 'storage')['storage_hit_rate']")  # fmt: skip
+
+
+def serving(file: str, text: str, *written: str) -> Fig:
+    """A serving run's passage whose numbers, as written, come in :data:`SERVING`'s order."""
+    assert len(written) == len(SERVING), written
+    return Fig(file, text, dict(zip(written, SERVING, strict=True)))
+
+
 GPU = "2026-12-04_h200_gpu-check/"
 
 FIGURES: list[Fig] = [
@@ -205,13 +218,11 @@ FIGURES: list[Fig] = [
         {"1.60x": "cmp(d, 1, 'speedup_vs_sglang_latest_same_input')",
          "1.66x": "cmp(d, 16, 'speedup_vs_sglang_latest_same_input')",
          "1.18x": "cmp(d, 1, 'speedup_vs_sglang_latest')", "1.25x": "cmp(d, 16, 'speedup_vs_sglang_latest')"}),
-    Fig("2026-12-06_cpu-2core_serving-multiturn.json",
+    serving("2026-12-06_cpu-2core_serving-multiturn.json",
         "hit rate 0.40 device-only vs 0.78 hierarchical; TTFT p50 254.1 ms recompute, 129.9 ms device-only, "
         "54.5 ms hierarchical (0.42 of device-only), 93.0 ms with the store below a host pool half the working "
         "set (0.13 of the prompt tokens",
-        {"0.40": "hit(d, 'device')", "0.78": "hit(d, 'hierarchical')", "254.1": "p50_ms(d, 'recompute')",
-         "129.9": "p50_ms(d, 'device')", "54.5": "p50_ms(d, 'hierarchical')", "0.42": "d['target']['measured']",
-         "93.0": "p50_ms(d, 'storage')", "0.13": "mode(d, 'storage')['storage_hit_rate']"}),
+        "0.40", "0.78", "254.1", "129.9", "54.5", "0.42", "93.0", "0.13"),
     Fig("2026-12-06_cpu-2core_serving-gpu-shape.json",
         "TTFT p50 1112.9 / 599.2 / 244.1 ms (hierarchical 0.41 of device-only), 25.9 / 43.8 / 70.6 generated "
         "tokens/s",
@@ -231,21 +242,17 @@ FIGURES: list[Fig] = [
          "0.49": "mode(d, 'storage')['host_hit_rate']", "2.8 s": "by_round_ms(d, 'hierarchical')[0] / 1e3",
          "146": "min(by_round_ms(d, 'hierarchical')[1:])", "147": "max(by_round_ms(d, 'hierarchical')[1:])"}),
     # ------------------------------------------------------------------ serving on the 2-core machine
-    Fig("2026-12-05_cpu-2core_serving-mla-indexer-fp8.json",
+    serving("2026-12-05_cpu-2core_serving-mla-indexer-fp8.json",
         "hit rate 0.40 device-only vs 0.78 hierarchical; TTFT p50 214.1 ms recompute, 114.6 ms device-only, "
         "44.1 ms hierarchical (0.38 of device-only), 65.4 ms with the store (0.13 of the prompt tokens from it)",
-        {"0.40": "hit(d, 'device')", "0.78": "hit(d, 'hierarchical')", "214.1": "p50_ms(d, 'recompute')",
-         "114.6": "p50_ms(d, 'device')", "44.1": "p50_ms(d, 'hierarchical')", "0.38": "d['target']['measured']",
-         "65.4": "p50_ms(d, 'storage')", "0.13": "mode(d, 'storage')['storage_hit_rate']"}),
+        "0.40", "0.78", "214.1", "114.6", "44.1", "0.38", "65.4", "0.13"),
     Fig("2026-12-05_cpu-2core_serving-mla-indexer.json", "289.5 / 163.9 / 52.5 / 58.9 ms",
         {"289.5": "p50_ms(d, 'recompute')", "163.9": "p50_ms(d, 'device')", "52.5": "p50_ms(d, 'hierarchical')",
          "58.9": "p50_ms(d, 'storage')"}),
-    Fig("2026-12-05_cpu-2core_serving-mla-indexer-recurrent.json",
+    serving("2026-12-05_cpu-2core_serving-mla-indexer-recurrent.json",
         "hit rate 0.40 device-only vs 0.78 hierarchical; TTFT p50 274.8 ms recompute, 135.2 ms device-only, "
         "47.0 ms hierarchical (0.35 of device-only), 60.3 ms with the store (0.14 of the prompt tokens from it)",
-        {"0.40": "hit(d, 'device')", "0.78": "hit(d, 'hierarchical')", "274.8": "p50_ms(d, 'recompute')",
-         "135.2": "p50_ms(d, 'device')", "47.0": "p50_ms(d, 'hierarchical')", "0.35": "d['target']['measured']",
-         "60.3": "p50_ms(d, 'storage')", "0.14": "mode(d, 'storage')['storage_hit_rate']"}),
+        "0.40", "0.78", "274.8", "135.2", "47.0", "0.35", "60.3", "0.14"),
     Fig("2026-12-05_cpu-2core_serving-swa-window-pool.json",
         "hit rate 0.00 device-only vs 0.74 hierarchical (a shared system prompt's window is gone once its "
         "request moved on, and device-only eviction deletes the conversations' ends, where the windows are); "

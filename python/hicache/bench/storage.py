@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from hicache_kernels.benchutil import provenance
+from hicache_kernels.benchutil.output import meminfo_bytes
 from hicache_kernels.layouts import LAYOUTS
 
 from ..cache.radix_cache import HiRadixCache
@@ -114,14 +115,7 @@ def bench_objects(preset: str, page_size: int, repeats: int) -> list[dict[str, A
 
 def cached_bytes() -> int | None:
     """``Cached:`` of /proc/meminfo in bytes (the page cache, system-wide), or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("Cached:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return meminfo_bytes("Cached")
 
 
 def resident_bytes(paths: list[Path]) -> int | None:
