@@ -274,11 +274,11 @@ def cpu_backend_status() -> dict[str, TensorStatus]:
     except ImportError as exc:
         return {name: TensorStatus(False, f"does not import: {exc}") for name in IO_BACKENDS}
     out: dict[str, TensorStatus] = {}
+    k = torch.arange(8, dtype=torch.float32).reshape(1, 2, 1, 4)  # [layers, slots, heads, head_dim]
+    v = k + 8
+    idx = torch.arange(2)
     for name in IO_BACKENDS:
-        k = torch.arange(8, dtype=torch.float32).reshape(1, 2, 1, 4)  # [layers, slots, heads, head_dim]
-        v = k + 8
         host = torch.full((2, 1, 2, 1, 4), -1.0)  # layer_first: [K/V, layers, slots, heads, head_dim], poisoned
-        idx = torch.arange(2)
         try:
             backend = get_backend(name)
             plan = ops.build_plan("d2h", k, v, host, idx, idx, layout="layer_first", page_size=1)
@@ -333,7 +333,7 @@ def cuda_backend_status(gpus: list[GpuInfo]) -> dict[str, TensorStatus]:
     if needs is not None:
         out["kernel-bulk"] = out["kernel"]
     else:
-        import torch as torch_module
+        import torch as torch_module  # the module itself (``torch`` above is what _torch_cuda found usable)
 
         from .backends.kernel import KernelBackend
 

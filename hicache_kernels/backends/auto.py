@@ -32,10 +32,6 @@ def auto_config_path() -> tuple[Path, str]:
     return Path.home() / ".config" / "hicache_kernels" / "auto.json", "the default path"
 
 
-def _default_auto_path() -> Path:
-    return auto_config_path()[0]
-
-
 AUTO_DESIGNS = ("kernel", "kernel-bulk", "staged", "batch", "direct")
 """The designs ``auto`` chooses between, as its decision table and ``last_choice`` name them:
 ``kernel-bulk`` is ``kernel`` with ``design="bulk"``."""
@@ -81,7 +77,7 @@ class AutoBackend(IOBackend):
     """The ranking of a direction the table lacks: below ``kernel_max_fragment_bytes``; without ``kernel`` above."""
 
     def __init__(self, thresholds: dict[str, Any] | None = None, path: Path | None = None) -> None:
-        self.path = path or _default_auto_path()
+        self.path = path or auto_config_path()[0]
         self.thresholds = dict(self.DEFAULTS)
         config: dict[str, Any] = {}
         where = "thresholds"

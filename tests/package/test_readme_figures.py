@@ -322,10 +322,13 @@ def find(passage: str, text: str = README) -> tuple[int, int] | None:
 
 
 # --------------------------------------------------------------------------- the tests
+def _written_number(written: str) -> str:
+    """The number of a figure as written (``"55.2k"`` -> ``"55.2"``, ``"2.8 s"`` -> ``"2.8"``)."""
+    return written.rstrip("%xk").split(" ")[0]
+
+
 def _value_matches(written: str, value: float) -> bool:
-    number = written.rstrip("%xk").replace(",", "")
-    for unit in (" ms", " s", " us", " GB/s", " MB", " minutes"):
-        number = number.removesuffix(unit)
+    number = _written_number(written).replace(",", "")
     scale = 1e3 if written.endswith("k") else 1.0
     decimals = len(number.split(".")[1]) if "." in number else 0
     return f"{value / scale:.{decimals}f}" == number
@@ -345,7 +348,7 @@ def test_each_figure_is_the_number_its_file_holds(fig):
     d = load(fig.file)
     tokens = [tok for _, _, tok in figures_in(_prose(fig.text))]
     numbers = [n for tok in tokens for n in _numbers(tok)]
-    unread = [n for n in numbers if not any(n == k.rstrip("%xk").split(" ")[0] for k in fig.values)]
+    unread = [n for n in numbers if n not in map(_written_number, fig.values)]
     assert not unread, f"figures in the passage with no reading from {fig.file}: {unread}"
     wrong = []
     for written_as, expr in fig.values.items():
@@ -380,13 +383,17 @@ def test_every_figure_in_the_readme_is_tied_to_a_file():
     assert not loose, why + "\n".join(loose)
 
 
+def _keys_missing(path: Path) -> list[str]:
+    """The provenance keys a result JSON lacks (or leaves empty)."""
+    d = json.loads(path.read_text())
+    return [k for k in ("command", "commit", "machine") if not d.get(k)]
+
+
 def _provenance_missing(name: str) -> list[str]:
-    path = RESULTS / name
     folder = RESULTS / name.split("/")[0]
     if folder.is_dir():  # a run's raw output, in a folder of its own
         return [w for w in ("README.md", "machine.txt") if not (folder / w).exists()]
-    d = json.loads(path.read_text())
-    return [k for k in ("command", "commit", "machine") if not d.get(k)]
+    return _keys_missing(RESULTS / name)
 
 
 def test_each_quoted_file_records_command_commit_and_machine():
@@ -397,6 +404,5 @@ def test_each_quoted_file_records_command_commit_and_machine():
 def test_new_result_files_record_command_commit_and_machine():
     """From 2026-12-06 on, every result JSON carries its own provenance (older ones are history)."""
     new = [p for p in RESULTS.glob("*.json") if p.name >= "2026-12-06"]
-    keys = ("command", "commit", "machine")
-    missing = {p.name: m for p in new if (m := [k for k in keys if not json.loads(p.read_text()).get(k)])}
+    missing = {p.name: m for p in new if (m := _keys_missing(p))}
     assert not missing, missing

@@ -47,8 +47,7 @@ from typing import Any
 
 import torch
 
-from hicache_kernels.benchutil import provenance
-from hicache_kernels.benchutil.output import meminfo_bytes
+from hicache_kernels.benchutil import meminfo_bytes, provenance
 from hicache_kernels.layouts import LAYOUTS
 
 from ..cache.radix_cache import HiRadixCache
